@@ -1,0 +1,70 @@
+"""Expert computation: `experts(x_TD, w1_EFD, w2_EDN, plan) -> out_TD` for several backends.
+
+Every backend module exposes `experts(...)` with the reference semantics and
+`unavailable_reason(device) -> str | None`. Backends are chosen here and only here.
+
+| name       | what                                                           |
+|------------|----------------------------------------------------------------|
+| reference  | SonicMoE algorithm in plain PyTorch (CPU/GPU); the semantics   |
+| triton     | fused IO-aware Triton kernels, any recent CUDA GPU             |
+| cute       | CuTe-DSL TMA + wgmma kernels, Hopper (sm_90)                   |
+| naive      | per-expert loop under autograd (caches everything); baseline   |
+| grouped_mm | torchtitan-style `torch._grouped_mm`; baseline                 |
+| auto       | first available of cute, triton, reference                     |
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from sonic.routing.plan import RoutingPlan
+
+BACKENDS = {
+    "reference": "sonic.kernels.reference",
+    "triton": "sonic.kernels.triton",
+    "cute": "sonic.kernels.cute",
+    "naive": "sonic.kernels.naive",
+    "grouped_mm": "sonic.kernels.grouped_mm",
+}
+AUTO_ORDER = ("cute", "triton", "reference")
+
+ExpertsFn = Callable[..., Tensor]
+
+
+def _why_unavailable(name: str, device: torch.device) -> str | None:
+    try:
+        module = importlib.import_module(BACKENDS[name])
+    except ImportError as err:  # the backend's optional dependency is missing
+        return f"cannot import {BACKENDS[name]} ({err}); install the 'gpu' extra"
+    return module.unavailable_reason(device)
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_backend(name: str, device: torch.device) -> str:
+    """Map a requested backend (or 'auto') to a runnable one on `device`."""
+    if name == "auto":
+        for candidate in AUTO_ORDER:
+            if _why_unavailable(candidate, device) is None:
+                return candidate
+        raise AssertionError("the reference backend runs everywhere")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel_backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
+    reason = _why_unavailable(name, device)
+    if reason is not None:
+        raise ValueError(f"kernel_backend {name!r} cannot run on {device}: {reason}. "
+                         f"Use kernel_backend=auto or reference.")
+    return name
+
+
+def get_experts_fn(name: str, device: torch.device) -> ExpertsFn:
+    return importlib.import_module(BACKENDS[resolve_backend(name, torch.device(device))]).experts
+
+
+def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
+            b1_EF: Tensor | None = None, b2_ED: Tensor | None = None, backend: str = "auto") -> Tensor:
+    """out_TD = sum over each token's routed rows of score * SwiGLU-expert(x)."""
+    return get_experts_fn(backend, x_TD.device)(x_TD, w1_EFD, w2_EDN, plan, b1_EF, b2_ED)

@@ -1,0 +1,94 @@
+"""RoutingPlan: the single routing-metadata object every kernel backend consumes.
+
+Legend: T tokens, E experts, K top-k, R routed rows (T*K under top-K; data-dependent
+under token rounding or expert choice).
+
+Routed rows are sorted by expert, and by token within an expert, so that each expert's
+rows form one contiguous segment (the varlen-M grouped GEMM) and its gathers walk X in
+increasing address order. A token's rows, in turn, are listed by `rows_by_token_R` so
+that the aggregation is a deterministic per-token gather-sum without atomics.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    token_idx_R: Tensor  # int32: source token of each routed row
+    expert_idx_R: Tensor  # int32: expert of each row (non-decreasing)
+    scores_R: Tensor  # gate of each row (float32 from the router); grad flows back to it
+    expert_offsets_E1: Tensor  # int32: rows of expert e are [off[e], off[e+1])
+    token_offsets_T1: Tensor  # int32: token t's rows are rows_by_token_R[off[t]:off[t+1]]
+    rows_by_token_R: Tensor  # int32: routed row ids grouped by token (token-ascending)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_offsets_T1.numel() - 1
+
+    @property
+    def num_experts(self) -> int:
+        return self.expert_offsets_E1.numel() - 1
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_idx_R.numel()
+
+    def counts_E(self) -> Tensor:
+        """Routed rows per expert (int32, on device, no host sync)."""
+        return self.expert_offsets_E1[1:] - self.expert_offsets_E1[:-1]
+
+    def metadata(self) -> tuple[Tensor, ...]:
+        """The integer fields, for passing a plan through an autograd.Function."""
+        return (self.token_idx_R, self.expert_idx_R, self.expert_offsets_E1, self.token_offsets_T1,
+                self.rows_by_token_R)
+
+    @staticmethod
+    def from_metadata(scores_R: Tensor, meta: tuple[Tensor, ...]) -> "RoutingPlan":
+        """Inverse of `metadata()`."""
+        token_idx_R, expert_idx_R, expert_offsets_E1, token_offsets_T1, rows_by_token_R = meta
+        return RoutingPlan(token_idx_R, expert_idx_R, scores_R, expert_offsets_E1, token_offsets_T1,
+                           rows_by_token_R)
+
+    def with_scores(self, scores_R: Tensor) -> "RoutingPlan":
+        """Same routing, different gates (e.g. detached or re-cast)."""
+        assert scores_R.shape == self.scores_R.shape
+        return RoutingPlan(self.token_idx_R, self.expert_idx_R, scores_R, self.expert_offsets_E1,
+                           self.token_offsets_T1, self.rows_by_token_R)
+
+
+def _offsets(counts: Tensor) -> Tensor:
+    return torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
+
+
+def build_plan(token_idx: Tensor, expert_idx: Tensor, scores: Tensor, num_tokens: int,
+               num_experts: int) -> RoutingPlan:
+    """Build a plan from unordered (token, expert, score) triples.
+
+    Each (token, expert) pair must appear at most once. Runs on the triples' device with
+    no host synchronisation; `scores` keeps its autograd history.
+    """
+    assert token_idx.shape == expert_idx.shape == scores.shape and token_idx.dim() == 1
+    key = expert_idx.long() * num_tokens + token_idx.long()
+    order = torch.argsort(key)
+    token_idx_R = token_idx[order].to(torch.int32)
+    expert_idx_R = expert_idx[order].to(torch.int32)
+    rows_by_token_R = torch.argsort(token_idx_R, stable=True).to(torch.int32)
+    return RoutingPlan(
+        token_idx_R=token_idx_R,
+        expert_idx_R=expert_idx_R,
+        scores_R=scores[order],
+        expert_offsets_E1=_offsets(torch.bincount(expert_idx_R, minlength=num_experts)),
+        token_offsets_T1=_offsets(torch.bincount(token_idx_R, minlength=num_tokens)),
+        rows_by_token_R=rows_by_token_R,
+    )
+
+
+def plan_from_topk(expert_idx_TK: Tensor, scores_TK: Tensor, num_experts: int) -> RoutingPlan:
+    """Plan for token choice: every token has exactly K distinct experts."""
+    T, K = expert_idx_TK.shape
+    token_idx = torch.arange(T, device=expert_idx_TK.device).repeat_interleave(K)
+    return build_plan(token_idx, expert_idx_TK.reshape(-1), scores_TK.reshape(-1), T, num_experts)
