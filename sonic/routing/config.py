@@ -1,0 +1,34 @@
+"""Routing configuration (a Hydra structured config, nested under the model's `moe`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("topk", "token_rounding", "expert_choice")
+ORDERS = ("topk_softmax", "softmax_topk")
+ROUNDING_MODES = ("nearest", "stochastic", "nearest_score", "balance", "up", "down")
+
+
+@dataclass
+class RoutingConfig:
+    method: str = "topk"  # topk | token_rounding (training only; eval uses topk) | expert_choice
+    order: str = "topk_softmax"  # topk_softmax: softmax over the K picked logits | softmax_topk
+    renormalize: bool = False  # softmax_topk only: rescale the K picked probabilities to sum to 1
+    rounding_mode: str = "nearest"  # token_rounding: NR-f nearest | SR-f stochastic | NR-s nearest_score | Balance-f balance | up | down
+    tile_size: int = 128  # token_rounding: M_tile, the GEMM tile the expert counts are rounded to
+    capacity_factor: float = 1.0  # expert_choice: each expert takes capacity_factor * T*K/E tokens
+    aux_loss_coef: float = 0.01  # Switch load-balancing loss
+    z_loss_coef: float = 0.0  # router z-loss
+    bias_update_rate: float = 0.0  # aux-loss-free expert bias (DeepSeek-V3); 0 disables it
+
+    def __post_init__(self):
+        for field, value, allowed in (("method", self.method, METHODS), ("order", self.order, ORDERS),
+                                      ("rounding_mode", self.rounding_mode, ROUNDING_MODES)):
+            if value not in allowed:
+                raise ValueError(f"routing.{field}={value!r} is not one of {', '.join(allowed)}")
+        if self.tile_size < 1:
+            raise ValueError(f"routing.tile_size={self.tile_size} must be >= 1 (the paper uses 128)")
+        if self.capacity_factor <= 0:
+            raise ValueError(f"routing.capacity_factor={self.capacity_factor} must be > 0")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"routing.{name}={getattr(self, name)} must be >= 0")
