@@ -1,0 +1,108 @@
+"""Dense building blocks: RMSNorm, rotary embeddings, attention, SwiGLU MLP.
+
+Legend: B batch, S sequence, D hidden, H query heads, G kv heads, Hd head dim.
+Weight names follow the Hugging Face OLMoE/Qwen3 modules so import/export is a rename.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE in the rotate-half convention (as OLMoE and Qwen3), tables kept in fp32."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self.register_buffer("cos_SHd", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.register_buffer("sin_SHd", torch.empty(max_seq_len, head_dim), persistent=False)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """(Re)compute the tables in place, e.g. after building the model on the meta device."""
+        if self.cos_SHd.is_meta:
+            return
+        dev = self.cos_SHd.device
+        inv_freq = self.theta ** -(torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=dev) / self.head_dim)
+        angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64, device=dev), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.cos_SHd.copy_(angles.cos())
+        self.sin_SHd.copy_(angles.sin())
+
+    def forward(self, x_BHSHd: Tensor) -> Tensor:
+        S = x_BHSHd.shape[-2]
+        if S > self.max_seq_len:
+            raise ValueError(f"sequence length {S} exceeds model.max_seq_len={self.max_seq_len}; "
+                             f"raise model.max_seq_len or lower train.seq_len")
+        x = x_BHSHd.float()
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return (x * self.cos_SHd[:S] + rotated * self.sin_SHd[:S]).to(x_BHSHd.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: str, eps: float):
+        super().__init__()
+        self.H, self.G, self.Hd = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=False)
+        self.qk_norm = qk_norm
+        if qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(num_heads * head_dim, eps), RMSNorm(num_kv_heads * head_dim, eps)
+        elif qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
+
+    def forward(self, x_BSD: Tensor, rotary: Rotary, mask_BSS: Tensor | None) -> Tensor:
+        B, S, _ = x_BSD.shape
+        q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, self.H, self.Hd)
+        k = k.view(B, S, self.G, self.Hd)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q.transpose(1, 2)), rotary(k.transpose(1, 2))
+        v = v.view(B, S, self.G, self.Hd).transpose(1, 2)
+        if mask_BSS is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.G != self.H)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BSS[:, None],
+                                               enable_gqa=self.G != self.H)
+        return self.o_proj(o.transpose(1, 2).reshape(B, S, self.H * self.Hd))
+
+
+class SwiGLUMLP(nn.Module):
+    """Dense FFN (first-k dense layers) and the shared expert."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def document_causal_mask(doc_ids_BS: Tensor) -> Tensor:
+    """Causal mask that also blocks attention across packed documents (True = attend)."""
+    S = doc_ids_BS.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=doc_ids_BS.device).tril()
+    return causal & (doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :])

@@ -1,0 +1,41 @@
+"""MoE block: router -> RoutingPlan -> experts kernel (one backend switch) [+ shared expert].
+
+Expert weights are stacked tensors so FSDP shards each as one parameter:
+  w1_EFD (E, 2N, D): gate/up rows interleaved (see sonic/kernels/swiglu.py)
+  w2_EDN (E, D, N)
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from sonic.kernels import experts
+from sonic.models.config import MoEConfig
+from sonic.models.layers import SwiGLUMLP
+from sonic.routing import Router, RouterOutput
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, cfg: MoEConfig):
+        super().__init__()
+        E, N = cfg.num_experts, cfg.expert_dim
+        self.kernel_backend = cfg.kernel_backend
+        self.router = Router(dim, E, cfg.top_k, cfg.routing)
+        self.w1_EFD = nn.Parameter(torch.empty(E, 2 * N, dim))
+        self.w2_EDN = nn.Parameter(torch.empty(E, dim, N))
+        self.b1_EF = nn.Parameter(torch.zeros(E, 2 * N)) if cfg.expert_bias else None
+        self.b2_ED = nn.Parameter(torch.zeros(E, dim)) if cfg.expert_bias else None
+        self.shared_expert = SwiGLUMLP(dim, cfg.shared_expert_dim) if cfg.shared_expert_dim else None
+
+    def forward(self, x_BSD: Tensor) -> tuple[Tensor, RouterOutput]:
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        routed = self.router(x_TD)
+        # Under autocast the kernels run in the autocast dtype; a custom autograd
+        # Function is not autocast by itself, so cast its inputs here.
+        dt = torch.get_autocast_dtype(x_TD.device.type) if torch.is_autocast_enabled(x_TD.device.type) else x_TD.dtype
+        cast = lambda t: None if t is None else t.to(dt)  # noqa: E731
+        out_TD = experts(cast(x_TD), cast(self.w1_EFD), cast(self.w2_EDN), routed.plan,
+                         cast(self.b1_EF), cast(self.b2_ED), backend=self.kernel_backend)
+        if self.shared_expert is not None:
+            out_TD = out_TD + self.shared_expert(x_TD)
+        return out_TD.view_as(x_BSD), routed

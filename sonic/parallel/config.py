@@ -1,0 +1,31 @@
+"""Parallelism configuration: FSDP-2 mesh, mixed precision, activation checkpointing, compile."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+AC_MODES = ("none", "full", "selective")
+PARAM_DTYPES = ("bf16", "fp32")
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1  # HSDP: replicas across nodes (1 = plain FSDP over all ranks)
+    reshard_after_forward: bool = True  # False keeps gathered params until backward (more memory, less comm)
+    param_dtype: str = "bf16"  # FSDP mixed precision on GPU: compute dtype of gathered params
+    reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype
+    activation_checkpoint: str = "none"  # none | full (every block) | selective (every `ac_every`-th block)
+    ac_every: int = 2
+    compile: bool = False  # torch.compile each transformer block
+    backend: str = "auto"  # process-group backend: auto (nccl on GPU, gloo on CPU) | nccl | gloo
+
+    def __post_init__(self):
+        if self.activation_checkpoint not in AC_MODES:
+            raise ValueError(f"parallel.activation_checkpoint={self.activation_checkpoint!r} "
+                             f"is not one of {', '.join(AC_MODES)}")
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in PARAM_DTYPES:
+                raise ValueError(f"parallel.{name}={getattr(self, name)!r} is not one of {', '.join(PARAM_DTYPES)}")
+        if self.dp_replicate < 1 or self.ac_every < 1:
+            raise ValueError("parallel.dp_replicate and parallel.ac_every must be >= 1")
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"parallel.backend={self.backend!r} is not one of auto, nccl, gloo")

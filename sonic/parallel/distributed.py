@@ -1,0 +1,64 @@
+"""Process group and device setup from torchrun / srun environment variables."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from sonic.parallel.config import ParallelConfig
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh | None  # None in a single process
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("train.device=cuda but no CUDA GPU is visible; use train.device=cpu or auto")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if requested != "cpu":
+        raise ValueError(f"train.device={requested!r} is not one of auto, cpu, cuda")
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: ParallelConfig, device: str) -> DistInfo:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = pick_device(device, local_rank)
+    if world == 1:
+        return DistInfo(0, 1, 0, dev, None)
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
+    if world % cfg.dp_replicate:
+        raise ValueError(f"parallel.dp_replicate={cfg.dp_replicate} does not divide the world size {world}")
+    shape = (cfg.dp_replicate, world // cfg.dp_replicate)
+    mesh = init_device_mesh(dev.type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+    return DistInfo(rank, world, local_rank, dev, mesh)
+
+
+def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In-place sum or mean across data-parallel ranks (no-op in one process; gloo has no AVG)."""
+    assert op in ("sum", "mean")
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        if op == "mean":
+            t.div_(dist.get_world_size())
+    return t

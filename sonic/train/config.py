@@ -1,0 +1,73 @@
+"""The run configuration: one dataclass per component, composed by Hydra from configs/."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf
+
+from sonic.data import DataConfig
+from sonic.models.config import ModelConfig
+from sonic.parallel.config import ParallelConfig
+from sonic.train.loggers import WandbConfig
+from sonic.train.optim import OptimConfig
+
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300  # optimizer steps
+    micro_batch_size: int = 16  # sequences per rank per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seq_len: int = 128
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    document_masking: bool = False  # block attention across packed documents
+    log_every: int = 10
+    eval_every: int = 100  # validation loss every N steps (and at the end); 0 disables
+    eval_batches: int = 8
+    save_every: int = 100  # checkpoint every N steps (and at the end); 0 disables
+    keep_last: int = 2  # complete checkpoints kept on disk
+    resume: str = "auto"  # auto: newest complete checkpoint in run_dir, if any | none | a checkpoint path
+    run_dir: str = "runs/${model.name}"  # checkpoints, metrics.jsonl and Hydra's logs
+    progress: bool = True  # progress bar on rank 0
+    peak_tflops: float = 0.0  # per-GPU peak for MFU; 0 = look it up from the GPU name
+
+    def __post_init__(self):
+        for name in ("steps", "micro_batch_size", "grad_accum", "seq_len", "log_every", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
+        for name in ("eval_every", "save_every", "keep_last"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 0 (0 disables)")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def __post_init__(self):
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+
+
+def to_config(raw: DictConfig | dict) -> Config:
+    """Validate a composed Hydra config against the dataclasses (unknown keys and bad
+    types fail here with OmegaConf's message; bad values fail in __post_init__)."""
+    raw = OmegaConf.create(raw) if isinstance(raw, dict) else raw
+    raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "hydra"]) if "hydra" in raw else raw
+    merged = OmegaConf.merge(OmegaConf.structured(Config), raw)
+    OmegaConf.resolve(merged)
+    return OmegaConf.to_object(merged)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,55 @@
+"""Metric sinks: compact console lines and Weights & Biases (disabled | offline | online)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("sonic")
+
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"  # disabled | offline (no network; sync later) | online
+    project: str = "sonic"
+    name: str | None = None  # None: the run directory's name
+    entity: str | None = None
+
+    def __post_init__(self):
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"wandb.mode={self.mode!r} is not one of {', '.join(WANDB_MODES)}")
+
+
+CONSOLE_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s_per_gpu", "btokens_per_day", "mfu",
+                "mem_peak_gib", "aux_loss")
+
+
+class MetricLogger:
+    """Logs on rank 0 only; every metric keeps one name everywhere."""
+
+    def __init__(self, cfg: WandbConfig, run_dir: str, config: dict[str, Any], enabled: bool):
+        self.enabled = enabled
+        self.run = None
+        if enabled and cfg.mode != "disabled":
+            import wandb
+
+            self.run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, dir=run_dir,
+                                  mode=cfg.mode, config=config, resume="allow")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        shown = " ".join(f"{k} {_fmt(metrics[k])}" for k in CONSOLE_KEYS if k in metrics)
+        log.info("step %d | %s", step, shown)
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3e}" if abs(v) < 1e-2 and v != 0 else f"{v:.4g}"

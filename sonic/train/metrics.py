@@ -1,0 +1,54 @@
+"""Throughput, MFU, memory and expert-load metrics (names as in DESIGN.md)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Dense bf16 tensor-core peak per GPU (FLOP/s), matched against the device name.
+PEAK_BF16_FLOPS = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("RTX 4090", 165e12),
+)
+
+
+def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | None:
+    """Peak bf16 FLOP/s of one device, or None where unknown (MFU is then not reported)."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def throughput(tokens_per_s_per_gpu: float, flops_per_token: float, peak: float | None) -> dict[str, float]:
+    out = {"tokens_per_s_per_gpu": tokens_per_s_per_gpu,
+           "btokens_per_day": tokens_per_s_per_gpu * 86400 / 1e9}
+    if peak:
+        out["mfu"] = tokens_per_s_per_gpu * flops_per_token / peak
+    return out
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    if device.type != "cuda":
+        return {}
+    return {"mem_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
+def expert_load(counts_LE: Tensor) -> dict[str, float]:
+    """Per-layer load of each expert, as a fraction of the mean: min, max and CV."""
+    counts = counts_LE.float()
+    mean = counts.mean(-1, keepdim=True).clamp_min(1e-9)
+    rel = counts / mean
+    out = {}
+    for layer, row in enumerate(rel):
+        out[f"expert_load_min/{layer}"] = row.min().item()
+        out[f"expert_load_max/{layer}"] = row.max().item()
+        out[f"expert_load_cv/{layer}"] = (row.std(unbiased=False)).item()
+    return out

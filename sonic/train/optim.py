@@ -1,0 +1,71 @@
+"""AdamW with decoupled weight decay and the learning-rate schedules."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * lr
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    schedule: str = "cosine"  # cosine: warmup then cosine | wsd: warmup, stable, decay | constant
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2  # wsd: share of the steps spent in the final linear decay
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    decay_norms_and_embeddings: bool = False  # True applies weight decay to norms, biases, embeddings too
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optim.schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr={self.lr} must be > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"optim.beta1={self.beta1} and optim.beta2={self.beta2} must be in [0, 1)")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("optim.warmup_steps, optim.weight_decay and optim.grad_clip must be >= 0")
+        if not 0 <= self.decay_fraction <= 1:
+            raise ValueError(f"optim.decay_fraction={self.decay_fraction} must be in [0, 1]")
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_vector_or_embedding = p.dim() < 2 or "embed_tokens" in name or name.endswith(("b1_EF", "b2_ED"))
+        (no_decay if is_vector_or_embedding and not cfg.decay_norms_and_embeddings else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Multiplier of cfg.lr at `step` (0-based count of completed optimizer steps)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    lo = cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "cosine":
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_start = total_steps - int(cfg.decay_fraction * total_steps)  # wsd
+    if step < decay_start:
+        return 1.0
+    return 1.0 - (1 - lo) * (step - decay_start) / max(1, total_steps - decay_start)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))

@@ -1,0 +1,194 @@
+"""The training loop, readable top to bottom: set-up, then one optimizer step at a time."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from sonic.data import build_loaders, build_tokenizer
+from sonic.models import Transformer, flops_per_token, param_counts
+from sonic.parallel import all_reduce_, init_distributed, parallelize, set_gradient_sync
+from sonic.train.checkpoint import Checkpointer
+from sonic.train.config import Config, to_yaml
+from sonic.train.loggers import MetricLogger
+from sonic.train.metrics import expert_load, memory_metrics, peak_flops, throughput
+from sonic.train.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("sonic")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=-100)
+
+
+def autocast_context(cfg: Config, device: torch.device):
+    precision = cfg.train.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+@torch.no_grad()
+def evaluate(model, val_loader, cfg: Config, device: torch.device) -> float:
+    model.eval()  # routing falls back to plain top-K in eval mode
+    total = torch.zeros(2, device=device)
+    for i, batch in enumerate(val_loader):
+        if i == cfg.train.eval_batches:
+            break
+        with autocast_context(cfg, device):
+            out = model(batch["input_ids"].to(device), _doc_ids(batch, cfg, device))
+        labels = batch["labels"].to(device)
+        total += torch.stack([lm_loss(out.logits_BSV, labels) * (labels != -100).sum(), (labels != -100).sum()])
+    model.train()
+    all_reduce_(total)
+    return (total[0] / total[1].clamp_min(1)).item()
+
+
+def _doc_ids(batch, cfg: Config, device):
+    return batch["doc_ids"].to(device) if cfg.train.document_masking else None
+
+
+def train(cfg: Config) -> list[dict]:
+    """Train per `cfg`; return the metrics logged on this rank (one dict per logged step)."""
+    t = cfg.train
+    info = init_distributed(cfg.parallel, t.device)
+    device = info.device
+    run_dir = Path(t.run_dir)
+    seed_everything(t.seed + info.rank)  # per-rank streams (e.g. stochastic rounding)
+
+    # --- model, optimizer, data -------------------------------------------------------
+    tokenizer = build_tokenizer(cfg.data)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
+                         f"{cfg.model.vocab_size}; raise model.vocab_size or pick another data.tokenizer")
+    model = Transformer(cfg.model).to(device)
+    model.init_weights(seed=t.seed)  # same weights on every rank, before sharding
+    counts = param_counts(cfg.model)
+    model = parallelize(model, cfg.parallel, info)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
+    train_loader, val_loader = build_loaders(cfg.data, tokenizer=tokenizer, seq_len=t.seq_len,
+                                             micro_batch_size=t.micro_batch_size, rank=info.rank,
+                                             world_size=info.world_size, seed=t.seed)
+
+    # --- resume -------------------------------------------------------------------------
+    ckpt = Checkpointer(run_dir / "checkpoints", keep_last=t.keep_last)
+    step = 0
+    resume_from = ckpt.find(t.resume)
+    if resume_from is not None:
+        extra = ckpt.load(resume_from, model, optimizer)
+        scheduler.load_state_dict(extra["scheduler"])
+        if "loader" in extra:
+            train_loader.load_state_dict(extra["loader"])
+        step = extra["step"]
+        log.info("resumed from %s at step %d (train.resume=none starts afresh)", resume_from, step)
+
+    def save(step: int) -> None:
+        extra = {"scheduler": scheduler.state_dict(), "loader": train_loader.state_dict()}
+        path = ckpt.save(step, model, optimizer, extra, to_yaml(cfg))
+        log.info("saved %s", path)
+
+    # --- logging ------------------------------------------------------------------------
+    logger = MetricLogger(cfg.wandb, str(run_dir), asdict(cfg), enabled=info.is_main)
+    tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum  # per rank
+    fpt = flops_per_token(cfg.model, t.seq_len)
+    peak = peak_flops(device, t.peak_tflops)
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log.info("model %s: %.3fM params total, %.3fM active; %d rank(s) on %s; backend %s",
+                 cfg.model.name, counts.total / 1e6, counts.active / 1e6, info.world_size, device,
+                 cfg.model.moe.kernel_backend)
+    history: list[dict] = []
+    metrics_file = run_dir / "metrics.jsonl"
+    bar = tqdm(total=t.steps, initial=step, disable=not (t.progress and info.is_main), dynamic_ncols=True)
+
+    # --- the loop -----------------------------------------------------------------------
+    model.train()
+    with logging_redirect_tqdm():
+        last_step, last_time = step, time.perf_counter()
+        while step < t.steps:
+            loss_sum = torch.zeros(3, device=device)  # lm loss, aux loss, z loss (summed over micro-batches)
+            load_LE = None
+            for micro in range(t.grad_accum):
+                batch = next(train_loader)
+                set_gradient_sync(model, micro == t.grad_accum - 1)
+                with autocast_context(cfg, device):
+                    out = model(batch["input_ids"].to(device), _doc_ids(batch, cfg, device))
+                loss = lm_loss(out.logits_BSV, batch["labels"].to(device))
+                ((loss + out.router_loss) / t.grad_accum).backward()
+                if out.routed:
+                    aux = torch.stack([r.aux_loss for r in out.routed]).mean()
+                    z = torch.stack([r.z_loss for r in out.routed]).mean()
+                    layer_counts = torch.stack([r.counts_E for r in out.routed]).float()
+                    load_LE = layer_counts if load_LE is None else load_LE + layer_counts
+                else:
+                    aux = z = torch.zeros((), device=device)
+                loss_sum += torch.stack([loss.detach(), aux, z])
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if load_LE is not None:
+                all_reduce_(load_LE)
+                if cfg.model.moe.routing.bias_update_rate > 0:
+                    _update_expert_bias(model, load_LE)
+            step += 1
+            bar.update(1)
+
+            is_eval = t.eval_every and (step % t.eval_every == 0 or step == t.steps)
+            if step % t.log_every == 0 or step == t.steps or is_eval:
+                all_reduce_(loss_sum, "mean")
+                now = time.perf_counter()
+                tokens_per_s = tokens_per_step * (step - last_step) / (now - last_time)
+                last_step, last_time = step, now
+                metrics = {"loss": loss_sum[0].item() / t.grad_accum, "aux_loss": loss_sum[1].item() / t.grad_accum,
+                           "z_loss": loss_sum[2].item() / t.grad_accum, "lr": scheduler.get_last_lr()[0],
+                           "grad_norm": grad_norm.item(),
+                           **throughput(tokens_per_s, fpt, peak), **memory_metrics(device)}
+                if load_LE is not None:
+                    metrics.update(expert_load(load_LE))
+                if not math.isfinite(metrics["loss"]):
+                    raise FloatingPointError(f"loss is {metrics['loss']} at step {step}; lower optim.lr or "
+                                             f"check the data")
+                if is_eval:
+                    metrics["val_loss"] = evaluate(model, val_loader, cfg, device)
+                logger.log(step, metrics)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+                history.append({"step": step, **metrics})
+                if info.is_main:
+                    with metrics_file.open("a") as f:
+                        f.write(json.dumps({"step": step, **metrics}) + "\n")
+            if t.save_every and (step % t.save_every == 0 or step == t.steps):
+                save(step)
+    bar.close()
+    logger.close()
+    return history
+
+
+def _update_expert_bias(model, load_LE: torch.Tensor) -> None:
+    moe_layers = [m for m in model.modules() if hasattr(m, "update_expert_bias")]
+    assert len(moe_layers) == load_LE.shape[0]
+    with torch.no_grad():
+        for router, counts_E in zip(moe_layers, load_LE):
+            router.update_expert_bias(counts_E)
