@@ -25,10 +25,18 @@ class RoutingConfig:
                                       ("rounding_mode", self.rounding_mode, ROUNDING_MODES)):
             if value not in allowed:
                 raise ValueError(f"routing.{field}={value!r} is not one of {', '.join(allowed)}")
-        if self.tile_size < 1:
-            raise ValueError(f"routing.tile_size={self.tile_size} must be >= 1 (the paper uses 128)")
-        if self.capacity_factor <= 0:
+        if not isinstance(self.renormalize, bool):
+            raise ValueError(f"routing.renormalize={self.renormalize!r} must be true or false")
+        if self.renormalize and self.order == "topk_softmax":
+            raise ValueError("routing.renormalize=true has no effect with order=topk_softmax (its K gates "
+                             "already sum to 1); set order=softmax_topk or renormalize=false")
+        if isinstance(self.tile_size, bool) or not isinstance(self.tile_size, int) or self.tile_size < 1:
+            raise ValueError(f"routing.tile_size={self.tile_size!r} must be an integer >= 1 (the paper uses 128)")
+        if not self.capacity_factor > 0:  # also rejects NaN
             raise ValueError(f"routing.capacity_factor={self.capacity_factor} must be > 0")
         for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:
                 raise ValueError(f"routing.{name}={getattr(self, name)} must be >= 0")
+        if self.method == "expert_choice" and self.bias_update_rate > 0:
+            raise ValueError("routing.bias_update_rate > 0 has no use with method=expert_choice, where every "
+                             "expert already takes the same number of tokens; set it to 0")

@@ -41,6 +41,15 @@ class RoutingPlan:
         """Routed rows per expert (int32, on device, no host sync)."""
         return self.expert_offsets_E1[1:] - self.expert_offsets_E1[:-1]
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Every tensor the plan holds: the scores and the integer metadata."""
+        return (self.scores_R,) + self.metadata()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all the plan's tensors: what a kernel caching the plan keeps for backward."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
     def metadata(self) -> tuple[Tensor, ...]:
         """The integer fields, for passing a plan through an autograd.Function."""
         return (self.token_idx_R, self.expert_idx_R, self.expert_offsets_E1, self.token_offsets_T1,
@@ -60,8 +69,14 @@ class RoutingPlan:
                            self.token_offsets_T1, self.rows_by_token_R)
 
 
-def _offsets(counts: Tensor) -> Tensor:
-    return torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
+def _offsets(sorted_ids: Tensor, num_ids: int) -> Tensor:
+    """Segment offsets (num_ids + 1, int32) of a non-decreasing id sequence.
+
+    A binary search per boundary instead of `bincount`: bincount sizes its output from the
+    maximum id and so synchronises with the host on CUDA; this does not, and is deterministic.
+    """
+    bounds = torch.arange(num_ids + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    return torch.searchsorted(sorted_ids, bounds, out_int32=True)
 
 
 def build_plan(token_idx: Tensor, expert_idx: Tensor, scores: Tensor, num_tokens: int,
@@ -81,8 +96,8 @@ def build_plan(token_idx: Tensor, expert_idx: Tensor, scores: Tensor, num_tokens
         token_idx_R=token_idx_R,
         expert_idx_R=expert_idx_R,
         scores_R=scores[order],
-        expert_offsets_E1=_offsets(torch.bincount(expert_idx_R, minlength=num_experts)),
-        token_offsets_T1=_offsets(torch.bincount(token_idx_R, minlength=num_tokens)),
+        expert_offsets_E1=_offsets(expert_idx_R, num_experts),
+        token_offsets_T1=_offsets(token_idx_R[rows_by_token_R.long()], num_tokens),
         rows_by_token_R=rows_by_token_R,
     )
 

@@ -1,0 +1,1 @@
+"""Benchmarks: each script prints a table last and writes JSON to bench/results/."""

@@ -1,0 +1,35 @@
+"""Expert choice (Zhou et al. 2022): each expert takes its top-`capacity` tokens by score.
+
+Legend: T tokens, E experts, K top-k, C capacity.
+
+Every expert gets exactly C rows, so load is balanced by construction; a token may get
+any number of experts, zero included. The selection looks at the whole batch (future
+tokens too), so it is a training-time method for non-causal batches or a baseline.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from sonic.routing.plan import RoutingPlan, build_plan
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """C = ceil(capacity_factor * T * K / E), capped at T.
+
+    Rounded to 6 decimals before the ceiling so that float noise (1.1 * 100 = 110.00000000000001)
+    does not add a row.
+    """
+    return min(num_tokens, math.ceil(round(capacity_factor * num_tokens * top_k / num_experts, 6)))
+
+
+def expert_choice_plan(probs_TE: Tensor, select_TE: Tensor, capacity: int) -> RoutingPlan:
+    """Expert e takes the `capacity` tokens with the highest select_TE[:, e]; gates are probs_TE."""
+    T, E = probs_TE.shape
+    assert 0 <= capacity <= T, (capacity, T)
+    token_idx_CE = select_TE.detach().topk(capacity, dim=0).indices
+    expert_idx_CE = torch.arange(E, device=probs_TE.device).expand(capacity, E)
+    gates_CE = probs_TE.gather(0, token_idx_CE)
+    return build_plan(token_idx_CE.reshape(-1), expert_idx_CE.reshape(-1), gates_CE.reshape(-1), T, E)
