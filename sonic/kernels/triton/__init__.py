@@ -1,0 +1,44 @@
+"""Triton backend: the SonicMoE forward/backward as fused, IO-aware Triton kernels.
+
+Same semantics as `sonic.kernels.reference` (which see), with the paper's 8 kernels:
+
+  forward   up-proj (gather X in the loads, SwiGLU epilogue, writes H and A),
+            down-proj (contiguous Y), aggregation (per-token gather-sum)
+  backward  dH (gathered dO x W2, dS / dSwiGLU / A' = s*A epilogue), dW2 and dW1
+            (varlen-K, gathered operand in the loads), dX~ (varlen-M), dX (gather-sum)
+
+Only X, H and the plan are saved for backward. No kernel needs the routed-row count on
+the host: every grid is an upper bound read from tensor shapes, and each program looks
+its (expert, row tile) up in device metadata. See README.md beside this file.
+
+This module imports without Triton so that `unavailable_reason` can say why it is missing.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sonic.routing.plan import RoutingPlan
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the triton backend needs a CUDA device, got {device.type!r}"
+    if not torch.cuda.is_available():
+        return "torch reports no usable CUDA device"
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        return f"triton is not importable ({err}); install the 'gpu' extra"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"compute capability {major}.{minor} < 8.0 (no bf16 tensor cores)"
+    return None
+
+
+def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
+            b1_EF: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
+    from sonic.kernels.triton.function import experts as _experts  # needs triton
+
+    return _experts(x_TD, w1_EFD, w2_EDN, plan, b1_EF, b2_ED)

@@ -1,0 +1,240 @@
+"""The Triton backend's autograd Function and kernel launchers (see gemm.py for the kernels).
+
+Forward: up-proj (H, A), down-proj (Y), gather-sum (O). Saves X, H and the plan, like
+the reference, so the saved bytes are identical. Backward: dH (dH, A', dS partials),
+dW2 / db2, dX~, dW1 / db1, gather-sum (dX). A, Y, A', dH and dX~ are transients.
+
+No launch reads a device value on the host: grids come from tensor shapes (R, T, E) and
+tile configs, which depend on the shape class only (tuning.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from sonic.kernels.triton import gemm, tuning
+from sonic.routing.plan import RoutingPlan
+
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class TileMap:
+    """Device-side (expert, first row) of every BM-row tile, for one plan and one BM."""
+
+    def __init__(self, expert_offsets_E1: Tensor, num_rows: int, bm: int):
+        E = expert_offsets_E1.numel() - 1
+        self.max_tiles = triton.cdiv(num_rows, bm) + E
+        dev = expert_offsets_E1.device
+        self.tile_expert = torch.empty(self.max_tiles, dtype=torch.int32, device=dev)
+        self.tile_row = torch.empty(self.max_tiles, dtype=torch.int32, device=dev)
+        self.num_tiles = torch.empty(1, dtype=torch.int32, device=dev)
+        gemm.tile_map_kernel[(E,)](expert_offsets_E1, self.tile_expert, self.tile_row, self.num_tiles,
+                                   E, BM=bm, BLOCK_E=max(16, min(1024, triton.next_power_of_2(E))),
+                                   BLOCK_J=64)
+
+    def args(self, expert_offsets_E1: Tensor) -> tuple:
+        return self.tile_expert, self.tile_row, self.num_tiles, expert_offsets_E1
+
+
+class _Maps:
+    """Tile maps built lazily, once per BM, for one plan within one forward or backward."""
+
+    def __init__(self, plan_offsets_E1: Tensor, num_rows: int):
+        self.off, self.R, self.maps = plan_offsets_E1, num_rows, {}
+
+    def __call__(self, bm: int) -> TileMap:
+        if bm not in self.maps:
+            self.maps[bm] = TileMap(self.off, self.R, bm)
+        return self.maps[bm]
+
+
+def _key(x: Tensor, D: int, N: int, E: int) -> tuple:
+    return (D, N, tuning.e_bucket(E), str(x.dtype).removeprefix("torch."))
+
+
+# ---------------------------------------------------------------- launchers (one per kernel)
+
+def up_proj(x_TD, w1_EFD, b1_EF, token_idx_R, maps: _Maps, key) -> tuple[Tensor, Tensor]:
+    R, (E, F, D) = token_idx_R.numel(), w1_EFD.shape
+    h_RF = x_TD.new_empty(R, F)
+    a_RN = x_TD.new_empty(R, F // 2)
+
+    def run(cfg: tuning.Config):
+        tm = maps(cfg.bm)
+        grid = (tm.max_tiles * triton.cdiv(F, cfg.bn),)
+        gemm.up_proj_kernel[grid](x_TD, token_idx_R, w1_EFD, b1_EF if b1_EF is not None else w1_EFD,
+                                  h_RF, a_RN, *tm.args(maps.off), R, D=D, F=F,
+                                  HAS_BIAS=b1_EF is not None, **cfg.kwargs())
+
+    # bn counts H columns; the kernel splits it into bn/2 gate + bn/2 up rows (>= 16 each)
+    cfg = tuning.choose("up", key, run, lambda c: tuning.fit(
+        tuning.Config(c.bm, max(32, c.bn), c.bk, c.warps, c.stages), F, D))
+    run(cfg)
+    return h_RF, a_RN
+
+
+def varlen_m(a_RK, b_EKN, stride_bk, stride_bn, N, bias_EN, maps: _Maps, kernel: str, key) -> Tensor:
+    R, K = a_RK.shape
+    out_RN = a_RK.new_empty(R, N)
+
+    def run(cfg: tuning.Config):
+        tm = maps(cfg.bm)
+        grid = (tm.max_tiles * triton.cdiv(N, cfg.bn),)
+        gemm.varlen_m_gemm_kernel[grid](a_RK, b_EKN, bias_EN if bias_EN is not None else b_EKN, out_RN,
+                                        *tm.args(maps.off), R, K=K, N=N, stride_bk=stride_bk,
+                                        stride_bn=stride_bn, HAS_BIAS=bias_EN is not None,
+                                        **cfg.kwargs())
+
+    cfg = tuning.choose(kernel, key, run, lambda c: tuning.fit(c, N, K))
+    run(cfg)
+    return out_RN
+
+
+def dh(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF, maps: _Maps, key):
+    R, (E, D, N) = token_idx_R.numel(), w2_EDN.shape
+    dh_RF = h_RF.new_empty(R, 2 * N)
+    aprime_RN = h_RF.new_empty(R, N)
+    result = {}
+
+    def run(cfg: tuning.Config):
+        tm = maps(cfg.bm)
+        num_n = triton.cdiv(N, cfg.bn)
+        ds_part_JR = torch.empty(num_n, R, dtype=torch.float32, device=h_RF.device)
+        gemm.dh_kernel[(tm.max_tiles * num_n,)](
+            dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED if b2_ED is not None else w2_EDN, h_RF,
+            dh_RF, aprime_RN, ds_part_JR, *tm.args(maps.off), R, D=D, N=N,
+            HAS_BIAS=b2_ED is not None, **cfg.kwargs())
+        result["ds_part"] = ds_part_JR
+
+    cfg = tuning.choose("dh", key, run, lambda c: tuning.fit(c, N, D))
+    run(cfg)
+    ds_R = result["ds_part"].sum(0)  # fixed-order sum over column tiles: deterministic
+    return dh_RF, aprime_RN, ds_R
+
+
+def varlen_k(p_XI, p_idx_R, q_YJ, q_idx_R, expert_offsets_E1, out_dtype, weight_R=None,
+             bias_grad: bool = False, key=()) -> tuple[Tensor, Tensor | None]:
+    """out_e = P[rows of e]^T Q[rows of e] (rows optionally gathered), (E, I, J)."""
+    I, J = p_XI.shape[1], q_YJ.shape[1]
+    E = expert_offsets_E1.numel() - 1
+    out_EIJ = torch.empty(E, I, J, dtype=out_dtype, device=p_XI.device)
+    bias_EI = torch.empty(E, I, dtype=out_dtype, device=p_XI.device) if bias_grad else None
+
+    def run(cfg: tuning.Config):
+        grid = (E * triton.cdiv(I, cfg.bm) * triton.cdiv(J, cfg.bn),)
+        gemm.varlen_k_gemm_kernel[grid](
+            p_XI, p_idx_R if p_idx_R is not None else expert_offsets_E1, q_YJ,
+            q_idx_R if q_idx_R is not None else expert_offsets_E1,
+            weight_R if weight_R is not None else p_XI, out_EIJ,
+            bias_EI if bias_EI is not None else out_EIJ, expert_offsets_E1, I=I, J=J,
+            GATHER_P=p_idx_R is not None, GATHER_Q=q_idx_R is not None, BIAS_GRAD=bias_grad,
+            WEIGHTED=weight_R is not None, **cfg.kwargs())
+
+    def adjust(c: tuning.Config) -> tuning.Config:
+        f = tuning.fit(c, J, 1 << 30)
+        return tuning.Config(max(16, min(f.bm, triton.next_power_of_2(I))), f.bn, f.bk, f.warps, f.stages)
+
+    cfg = tuning.choose("dw", key + (I, J), run, adjust)
+    run(cfg)
+    return out_EIJ, bias_EI
+
+
+def gather_sum(rows_RD: Tensor, plan: RoutingPlan, weight_R: Tensor | None, out_dtype) -> Tensor:
+    T, D = plan.num_tokens, rows_RD.shape[1]
+    out_TD = torch.empty(T, D, dtype=out_dtype, device=rows_RD.device)
+    block_d = min(triton.next_power_of_2(D), 4096)
+    gemm.gather_sum_kernel[(T, triton.cdiv(D, block_d))](
+        rows_RD, weight_R if weight_R is not None else rows_RD, plan.token_offsets_T1,
+        plan.rows_by_token_R, out_TD, D=D, WEIGHTED=weight_R is not None, BLOCK_D=block_d, CHUNK=4,
+        num_warps=max(1, min(8, block_d // 256)))
+    return out_TD
+
+
+# ---------------------------------------------------------------- the autograd Function
+
+class _SonicMoETriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, *meta):
+        plan = RoutingPlan.from_metadata(scores_R, meta)
+        T, D = x_TD.shape
+        E, F, _ = w1_EFD.shape
+        N, R = F // 2, plan.num_rows
+        key = _key(x_TD, D, N, E)
+        if R == 0:
+            out_TD = x_TD.new_zeros(T, D)
+            h_RF = x_TD.new_empty(0, F)
+        else:
+            maps = _Maps(plan.expert_offsets_E1, R)
+            h_RF, a_RN = up_proj(x_TD, w1_EFD, b1_EF, plan.token_idx_R, maps, key)
+            # Y_e = A_e W2_e^T: B[k, n] = w2[e, n, k]
+            y_RD = varlen_m(a_RN, w2_EDN, 1, N, D, b2_ED, maps, "down", key)
+            del a_RN
+            out_TD = gather_sum(y_RD, plan, scores_R, x_TD.dtype)
+        ctx.save_for_backward(x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, *meta)
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, dout_TD):
+        x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, *meta = ctx.saved_tensors
+        plan = RoutingPlan.from_metadata(scores_R, meta)
+        T, D = x_TD.shape
+        E, F, _ = w1_EFD.shape
+        N, R = F // 2, plan.num_rows
+        key = _key(x_TD, D, N, E)
+        need = ctx.needs_input_grad
+        dout_TD = dout_TD.to(x_TD.dtype).contiguous()
+        if R == 0:
+            zero = lambda t: None if t is None else torch.zeros_like(t)  # noqa: E731
+            return (torch.zeros_like(x_TD), zero(w1_EFD), zero(w2_EDN), zero(b1_EF), zero(b2_ED),
+                    torch.zeros_like(scores_R)) + (None,) * len(meta)
+        maps = _Maps(plan.expert_offsets_E1, R)
+        tok = plan.token_idx_R
+        dh_RF, aprime_RN, ds_R = dh(dout_TD, tok, scores_R, w2_EDN, b2_ED, h_RF, maps, key)
+        dw2 = db2 = dw1 = db1 = dx_TD = None
+        if need[2] or need[4]:  # dW2_e = dO[pi_e]^T A'_e ; db2_e = sum s * dO[pi_e]
+            dw2, db2 = varlen_k(dout_TD, tok, aprime_RN, None, plan.expert_offsets_E1, w2_EDN.dtype,
+                                weight_R=scores_R if b2_ED is not None else None,
+                                bias_grad=b2_ED is not None, key=key)
+        del aprime_RN
+        if need[0]:  # dX~_e = dH_e W1_e: B[k, n] = w1[e, k, n]
+            dxt_RD = varlen_m(dh_RF, w1_EFD, D, 1, D, None, maps, "dxt", key)
+            dx_TD = gather_sum(dxt_RD, plan, None, x_TD.dtype)
+            del dxt_RD
+        if need[1] or need[3]:  # dW1_e = dH_e^T X[pi_e] ; db1_e = sum dH_e
+            dw1, db1 = varlen_k(dh_RF, None, x_TD, tok, plan.expert_offsets_E1, w1_EFD.dtype,
+                                bias_grad=b1_EF is not None, key=key)
+        return (dx_TD, dw1, dw2, db1 if b1_EF is not None else None,
+                db2 if b2_ED is not None else None, ds_R.to(scores_R.dtype)) + (None,) * len(meta)
+
+
+def _check(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan, b1_EF, b2_ED) -> None:
+    if x_TD.dim() != 2:
+        raise ValueError(f"x_TD must be 2-D (tokens, hidden), got shape {tuple(x_TD.shape)}")
+    T, D = x_TD.shape
+    if w1_EFD.dim() != 3 or w1_EFD.shape[2] != D or w1_EFD.shape[1] % 2:
+        raise ValueError(f"w1_EFD must be (E, 2N, {D}), got {tuple(w1_EFD.shape)}")
+    E, F, _ = w1_EFD.shape
+    if tuple(w2_EDN.shape) != (E, D, F // 2):
+        raise ValueError(f"w2_EDN must be ({E}, {D}, {F // 2}), got {tuple(w2_EDN.shape)}")
+    if b1_EF is not None and tuple(b1_EF.shape) != (E, F):
+        raise ValueError(f"b1_EF must be ({E}, {F}), got {tuple(b1_EF.shape)}")
+    if b2_ED is not None and tuple(b2_ED.shape) != (E, D):
+        raise ValueError(f"b2_ED must be ({E}, {D}), got {tuple(b2_ED.shape)}")
+    if plan.num_experts != E or plan.num_tokens != T:
+        raise ValueError(f"plan is for {plan.num_tokens} tokens x {plan.num_experts} experts, "
+                         f"inputs have {T} x {E}")
+    if x_TD.dtype not in _SUPPORTED:
+        raise ValueError(f"triton backend supports {_SUPPORTED}, got {x_TD.dtype}")
+    for name, t in (("w1_EFD", w1_EFD), ("w2_EDN", w2_EDN), ("b1_EF", b1_EF), ("b2_ED", b2_ED)):
+        if t is not None and t.dtype != x_TD.dtype:
+            raise ValueError(f"{name} is {t.dtype} but x_TD is {x_TD.dtype}; cast them alike")
+
+
+def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
+            b1_EF: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
+    _check(x_TD, w1_EFD, w2_EDN, plan, b1_EF, b2_ED)
+    meta = tuple(m.contiguous() for m in plan.metadata())
+    c = lambda t: None if t is None else t.contiguous()  # noqa: E731
+    return _SonicMoETriton.apply(x_TD.contiguous(), w1_EFD.contiguous(), w2_EDN.contiguous(),
+                                 c(b1_EF), c(b2_ED), plan.scores_R.contiguous(), *meta)

@@ -1,0 +1,318 @@
+"""Triton kernels of the expert computation: grouped GEMMs with fused gathers and epilogues.
+
+Tile scheduling (no host sync): a varlen-M kernel is launched over an upper bound of
+row tiles, cdiv(R, BM) + E, times the column tiles. `tile_map_kernel` writes, on device,
+the expert and first row of every real tile and the real tile count; programs past it
+return at once. Varlen-K kernels (dW1, dW2) are launched over E x output tiles and loop
+over their expert's rows read from expert_offsets_E1.
+
+Row indices are clamped to the expert's last row for the loads, so the K loops of the
+varlen-M kernels carry no row masks (tails are dropped at the store).
+
+Legend: R routed rows, T tokens, D hidden, N expert width, F = 2N (gate/up interleaved),
+E experts; BM/BN/BK tile sizes.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_map_kernel(expert_offsets_E1, tile_expert_M, tile_row_M, num_tiles_1, E,
+                    BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Program e: write expert e's row tiles (expert id, first row) at its tile offset."""
+    e = tl.program_id(0)
+    before = 0
+    for e0 in range(0, E, BLOCK_E):  # tiles of experts < e
+        idx = e0 + tl.arange(0, BLOCK_E)
+        m = idx < e
+        lo = tl.load(expert_offsets_E1 + idx, mask=m, other=0)
+        hi = tl.load(expert_offsets_E1 + idx + 1, mask=m, other=0)
+        before += tl.sum((hi - lo + BM - 1) // BM)
+    row0 = tl.load(expert_offsets_E1 + e)
+    count = tl.load(expert_offsets_E1 + e + 1) - row0
+    n_tiles = (count + BM - 1) // BM
+    for j0 in range(0, n_tiles, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        m = j < n_tiles
+        tl.store(tile_expert_M + before + j, tl.zeros_like(j) + e, mask=m)
+        tl.store(tile_row_M + before + j, row0 + j * BM, mask=m)
+    if e == E - 1:
+        tl.store(num_tiles_1, before + n_tiles)
+
+
+@triton.jit
+def _tile_lookup(tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, m_tile):
+    """(valid, expert, first row, end row) of row tile m_tile."""
+    valid = m_tile < tl.load(num_tiles_1)
+    e = tl.load(tile_expert_M + m_tile, mask=valid, other=0)
+    row0 = tl.load(tile_row_M + m_tile, mask=valid, other=0)
+    row_end = tl.load(expert_offsets_E1 + e + 1)
+    return valid, e, row0, row_end
+
+
+@triton.jit(do_not_specialize=["R"])
+def up_proj_kernel(x_TD, token_idx_R, w1_EFD, b1_EF, h_RF, a_RN,
+                   tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, R,
+                   D: tl.constexpr, F: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """H = X[token_idx] W1_e^T (+b1), A = SwiGLU(H), for one (row tile, BN columns of H).
+
+    Gate and up rows of W1 are interleaved, so the tile's BN/2 gate rows (even) and BN/2
+    up rows (odd) are loaded as two B operands: SwiGLU is elementwise on two accumulators.
+    A is computed from H rounded to the output dtype, exactly as the reference does.
+    """
+    N: tl.constexpr = F // 2
+    HN: tl.constexpr = BN // 2
+    NUM_N: tl.constexpr = (F + BN - 1) // BN
+    EVEN_K: tl.constexpr = D % BK == 0
+    pid = tl.program_id(0)
+    m_tile = pid // NUM_N
+    n_tile = pid % NUM_N
+    valid, e, row0, row_end = _tile_lookup(tile_expert_M, tile_row_M, num_tiles_1,
+                                           expert_offsets_E1, m_tile)
+    if valid:
+        rows = row0 + tl.arange(0, BM)
+        tok = tl.load(token_idx_R + tl.minimum(rows, row_end - 1)).to(tl.int64)
+        j = n_tile * HN + tl.arange(0, HN)  # SwiGLU output columns of this tile
+        jm = j < N
+        offs_k = tl.arange(0, BK)
+        a_ptrs = x_TD + tok[:, None] * D + offs_k[None, :]
+        w_base = w1_EFD + e.to(tl.int64) * F * D
+        g_ptrs = w_base + (2 * j)[None, :] * D + offs_k[:, None]
+        u_ptrs = g_ptrs + D
+        acc_g = tl.zeros((BM, HN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, HN), dtype=tl.float32)
+        for k in range(0, D, BK):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                g = tl.load(g_ptrs, mask=jm[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=jm[None, :], other=0.0)
+            else:
+                km = offs_k < D - k
+                a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=km[:, None] & jm[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=km[:, None] & jm[None, :], other=0.0)
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+            a_ptrs += BK
+            g_ptrs += BK
+            u_ptrs += BK
+        if HAS_BIAS:
+            acc_g += tl.load(b1_EF + e * F + 2 * j, mask=jm, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(b1_EF + e * F + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)[None, :]
+        hg = acc_g.to(h_RF.dtype.element_ty)
+        hu = acc_u.to(h_RF.dtype.element_ty)
+        rows64 = rows.to(tl.int64)
+        om = (rows < row_end)[:, None] & jm[None, :]
+        h_ptrs = h_RF + rows64[:, None] * F + (2 * j)[None, :]
+        tl.store(h_ptrs, hg, mask=om)
+        tl.store(h_ptrs + 1, hu, mask=om)
+        gf = hg.to(tl.float32)
+        act = gf * tl.sigmoid(gf) * hu.to(tl.float32)
+        tl.store(a_RN + rows64[:, None] * N + j[None, :], act.to(a_RN.dtype.element_ty), mask=om)
+
+
+@triton.jit(do_not_specialize=["R"])
+def varlen_m_gemm_kernel(a_RK, b_EKN, bias_EN, out_RN,
+                         tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, R,
+                         K: tl.constexpr, N: tl.constexpr,
+                         stride_bk: tl.constexpr, stride_bn: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """out[rows of e] = A[rows of e] B_e (+bias_e), contiguous rows in and out.
+
+    B_e is addressed through strides, so the down-projection (B = W2_e^T: w2_EDN with
+    stride_bk=1, stride_bn=N_expert) and dX~ (B = W1_e: w1_EFD with stride_bk=D,
+    stride_bn=1) share the kernel.
+    """
+    NUM_N: tl.constexpr = (N + BN - 1) // BN
+    EVEN_K: tl.constexpr = K % BK == 0
+    EVEN_N: tl.constexpr = N % BN == 0
+    pid = tl.program_id(0)
+    m_tile = pid // NUM_N
+    n_tile = pid % NUM_N
+    valid, e, row0, row_end = _tile_lookup(tile_expert_M, tile_row_M, num_tiles_1,
+                                           expert_offsets_E1, m_tile)
+    if valid:
+        rows = row0 + tl.arange(0, BM)
+        src = tl.minimum(rows, row_end - 1).to(tl.int64)
+        cols = n_tile * BN + tl.arange(0, BN)
+        cm = cols < N
+        offs_k = tl.arange(0, BK)
+        a_ptrs = a_RK + src[:, None] * K + offs_k[None, :]
+        b_ptrs = b_EKN + e.to(tl.int64) * K * N + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, K, BK):
+            if EVEN_K and EVEN_N:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                km = offs_k < K - k
+                a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BK
+            b_ptrs += BK * stride_bk
+        if HAS_BIAS:
+            acc += tl.load(bias_EN + e * N + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        om = (rows < row_end)[:, None] & cm[None, :]
+        tl.store(out_RN + rows.to(tl.int64)[:, None] * N + cols[None, :],
+                 acc.to(out_RN.dtype.element_ty), mask=om)
+
+
+@triton.jit(do_not_specialize=["R"])
+def dh_kernel(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF,
+              dh_RF, aprime_RN, ds_part_JR,
+              tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, R,
+              D: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """dA' = dO[token_idx] W2_e for BN columns of N, then the whole dH epilogue.
+
+    Writes dH = dSwiGLU(s*dA', H), A' = s*A (A recomputed from the re-loaded H) and this
+    column tile's partial dS = <dA', A>; the partials of a row are summed afterwards in a
+    fixed order (deterministic). The n_tile == 0 program adds <dO, b2_e> when biased.
+    """
+    F: tl.constexpr = 2 * N
+    NUM_N: tl.constexpr = (N + BN - 1) // BN
+    EVEN_K: tl.constexpr = D % BK == 0
+    EVEN_N: tl.constexpr = N % BN == 0
+    pid = tl.program_id(0)
+    m_tile = pid // NUM_N
+    n_tile = pid % NUM_N
+    valid, e, row0, row_end = _tile_lookup(tile_expert_M, tile_row_M, num_tiles_1,
+                                           expert_offsets_E1, m_tile)
+    if valid:
+        rows = row0 + tl.arange(0, BM)
+        rm = rows < row_end
+        tok = tl.load(token_idx_R + tl.minimum(rows, row_end - 1)).to(tl.int64)
+        cols = n_tile * BN + tl.arange(0, BN)
+        cm = cols < N
+        offs_k = tl.arange(0, BK)
+        a_ptrs = dout_TD + tok[:, None] * D + offs_k[None, :]
+        b_ptrs = w2_EDN + e.to(tl.int64) * D * N + offs_k[:, None] * N + cols[None, :]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        dob2 = tl.zeros((BM,), dtype=tl.float32)
+        for k in range(0, D, BK):
+            km = offs_k < D - k
+            if EVEN_K and EVEN_N:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+            if HAS_BIAS:
+                bias = tl.load(b2_ED + e * D + k + offs_k, mask=km, other=0.0).to(tl.float32)
+                dob2 += tl.sum(a.to(tl.float32) * bias[None, :], axis=1)
+            a_ptrs += BK
+            b_ptrs += BK * N
+        rows64 = rows.to(tl.int64)
+        om = rm[:, None] & cm[None, :]
+        s = tl.load(scores_R + rows, mask=rm, other=0.0).to(tl.float32)
+        h_ptrs = h_RF + rows64[:, None] * F + (2 * cols)[None, :]
+        hg = tl.load(h_ptrs, mask=om, other=0.0).to(tl.float32)
+        hu = tl.load(h_ptrs + 1, mask=om, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(hg)
+        silu = hg * sig
+        act = silu * hu
+        ds = tl.sum(acc * act, axis=1)
+        if HAS_BIAS:
+            ds += tl.where(n_tile == 0, dob2, 0.0)
+        tl.store(ds_part_JR + n_tile.to(tl.int64) * R + rows64, ds, mask=rm)
+        da = acc * s[:, None]
+        dg = da * hu * (sig + silu * (1.0 - sig))
+        du = da * silu
+        dh_ptrs = dh_RF + rows64[:, None] * F + (2 * cols)[None, :]
+        tl.store(dh_ptrs, dg.to(dh_RF.dtype.element_ty), mask=om)
+        tl.store(dh_ptrs + 1, du.to(dh_RF.dtype.element_ty), mask=om)
+        tl.store(aprime_RN + rows64[:, None] * N + cols[None, :],
+                 (act * s[:, None]).to(aprime_RN.dtype.element_ty), mask=om)
+
+
+@triton.jit
+def varlen_k_gemm_kernel(p_XI, p_idx_R, q_YJ, q_idx_R, weight_R, out_EIJ, bias_grad_EI,
+                         expert_offsets_E1,
+                         I: tl.constexpr, J: tl.constexpr, GATHER_P: tl.constexpr,
+                         GATHER_Q: tl.constexpr, BIAS_GRAD: tl.constexpr, WEIGHTED: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """out_e = P[rows of e]^T Q[rows of e]: a weight gradient, reducing over e's rows.
+
+    P rows (I wide) and Q rows (J wide) are either the routed rows themselves or gathered
+    through an index (the token of each row), so dO and X are never materialised per row.
+    With BIAS_GRAD the j-tile-0 programs also write sum_rows (w *) P, the bias gradient.
+    Empty experts write zeros.
+    """
+    NUM_I: tl.constexpr = (I + BM - 1) // BM
+    NUM_J: tl.constexpr = (J + BN - 1) // BN
+    EVEN_IJ: tl.constexpr = (I % BM == 0) and (J % BN == 0)
+    pid = tl.program_id(0)
+    e = pid // (NUM_I * NUM_J)
+    rem = pid % (NUM_I * NUM_J)
+    i_tile = rem // NUM_J
+    j_tile = rem % NUM_J
+    lo = tl.load(expert_offsets_E1 + e)
+    hi = tl.load(expert_offsets_E1 + e + 1)
+    offs_i = i_tile * BM + tl.arange(0, BM)
+    offs_j = j_tile * BN + tl.arange(0, BN)
+    im = offs_i < I
+    jm = offs_j < J
+    offs_r = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    bacc = tl.zeros((BM,), dtype=tl.float32)
+    for r0 in range(lo, hi, BK):
+        rows = r0 + offs_r
+        rm = rows < hi
+        if GATHER_P:
+            prow = tl.load(p_idx_R + rows, mask=rm, other=0).to(tl.int64)
+        else:
+            prow = rows.to(tl.int64)
+        if GATHER_Q:
+            qrow = tl.load(q_idx_R + rows, mask=rm, other=0).to(tl.int64)
+        else:
+            qrow = rows.to(tl.int64)
+        if EVEN_IJ:
+            p = tl.load(p_XI + prow[:, None] * I + offs_i[None, :], mask=rm[:, None], other=0.0)
+            q = tl.load(q_YJ + qrow[:, None] * J + offs_j[None, :], mask=rm[:, None], other=0.0)
+        else:
+            p = tl.load(p_XI + prow[:, None] * I + offs_i[None, :], mask=rm[:, None] & im[None, :],
+                        other=0.0)
+            q = tl.load(q_YJ + qrow[:, None] * J + offs_j[None, :], mask=rm[:, None] & jm[None, :],
+                        other=0.0)
+        acc = tl.dot(tl.trans(p), q, acc)
+        if BIAS_GRAD:  # (weighted) column sums of P: the bias gradient
+            pf = p.to(tl.float32)
+            if WEIGHTED:
+                pf = pf * tl.load(weight_R + rows, mask=rm, other=0.0).to(tl.float32)[:, None]
+            bacc += tl.sum(pf, axis=0)
+    tl.store(out_EIJ + e.to(tl.int64) * I * J + offs_i[:, None] * J + offs_j[None, :],
+             acc.to(out_EIJ.dtype.element_ty), mask=im[:, None] & jm[None, :])
+    if BIAS_GRAD:
+        if j_tile == 0:
+            tl.store(bias_grad_EI + e * I + offs_i, bacc.to(bias_grad_EI.dtype.element_ty), mask=im)
+
+
+@triton.jit
+def gather_sum_kernel(rows_RD, weight_R, token_offsets_T1, rows_by_token_R, out_TD,
+                      D: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr,
+                      CHUNK: tl.constexpr):
+    """out_t = sum over token t's rows of (w_r *) rows_r: a deterministic gather-sum.
+
+    Rows are visited in rows_by_token order, CHUNK at a time, accumulated in fp32.
+    """
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    lo = tl.load(token_offsets_T1 + t)
+    hi = tl.load(token_offsets_T1 + t + 1)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j0 in range(lo, hi, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        jm = j < hi
+        r = tl.load(rows_by_token_R + j, mask=jm, other=0).to(tl.int64)
+        v = tl.load(rows_RD + r[:, None] * D + d[None, :], mask=jm[:, None] & dm[None, :],
+                    other=0.0).to(tl.float32)
+        if WEIGHTED:
+            v = v * tl.load(weight_R + r, mask=jm, other=0.0).to(tl.float32)[:, None]
+        acc += tl.sum(v, axis=0)
+    tl.store(out_TD + t.to(tl.int64) * D + d, acc.to(out_TD.dtype.element_ty), mask=dm)

@@ -1,0 +1,219 @@
+"""Routing kernels: fused top-K + softmax, and the RoutingPlan built on device with no host sync.
+
+Integration point for sonic.routing (owned elsewhere): the router can replace
+
+    top_logits_TK, expert_idx_TK = logits_TE.topk(K); scores_TK = top_logits_TK.softmax(-1)
+    plan = plan_from_topk(expert_idx_TK, scores_TK, E)
+
+by `expert_idx_TK, scores_TK = topk_softmax(logits_TE, K)` (differentiable in the logits)
+and `plan = plan_from_topk(expert_idx_TK, scores_TK, E)` from this module: the plan is
+field-for-field the one sonic.routing.plan.plan_from_topk builds, and scores_R keeps its
+autograd history.
+
+The plan is a counting sort: tokens are cut into chunks of BT; per (chunk, expert block)
+a one-hot (BT x BE) tile and its cumulative sum along tokens give each pair's rank among
+the chunk's pairs of the same expert; a scan over chunks and the expert offsets turn
+ranks into rows, sorted by expert then token, exactly as build_plan's argsort would.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sonic.routing.plan import RoutingPlan
+
+
+@triton.jit(do_not_specialize=["T"])
+def _topk_softmax_kernel(logits_TE, idx_TK, scores_TK, T, E: tl.constexpr, K: tl.constexpr,
+                         BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
+    """K rounds of (max, lowest index attaining it) per token, then a softmax over the K."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    e = tl.arange(0, BE)
+    tm = t < T
+    x = tl.load(logits_TE + t.to(tl.int64)[:, None] * E + e[None, :],
+                mask=tm[:, None] & (e < E)[None, :], other=float("-inf")).to(tl.float32)
+    taken = (e >= E)[None, :] | (t < 0)[:, None]  # padding columns never win
+    kk = tl.arange(0, KP)
+    top_v = tl.full((BT, KP), float("-inf"), tl.float32)
+    top_i = tl.zeros((BT, KP), tl.int32)
+    for k in tl.static_range(K):
+        xv = tl.where(taken, float("-inf"), x)
+        m = tl.max(xv, axis=1)
+        i = tl.min(tl.where((xv == m[:, None]) & ~taken, e[None, :], BE), axis=1)
+        top_v = tl.where(kk[None, :] == k, m[:, None], top_v)
+        top_i = tl.where(kk[None, :] == k, i[:, None], top_i)
+        taken = taken | (e[None, :] == i[:, None])
+    mx = tl.max(top_v, axis=1)
+    p = tl.where(kk[None, :] < K, tl.exp(top_v - mx[:, None]), 0.0)
+    p = p / tl.sum(p, axis=1)[:, None]
+    om = tm[:, None] & (kk < K)[None, :]
+    out = t.to(tl.int64)[:, None] * K + kk[None, :]
+    tl.store(idx_TK + out, top_i, mask=om)
+    tl.store(scores_TK + out, p, mask=om)
+
+
+class _TopKSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_TE: Tensor, k: int):
+        T, E = logits_TE.shape
+        logits_TE = logits_TE.contiguous()
+        idx_TK = torch.empty(T, k, dtype=torch.int32, device=logits_TE.device)
+        scores_TK = torch.empty(T, k, dtype=torch.float32, device=logits_TE.device)
+        if T:
+            be = max(16, triton.next_power_of_2(E))
+            bt = max(1, min(64, 2048 // be))
+            _topk_softmax_kernel[(triton.cdiv(T, bt),)](
+                logits_TE, idx_TK, scores_TK, T, E=E, K=k, BT=bt, BE=be,
+                KP=max(2, triton.next_power_of_2(k)), num_warps=4 if be <= 1024 else 8)
+        ctx.save_for_backward(idx_TK, scores_TK)
+        ctx.shape, ctx.dtype = (T, E), logits_TE.dtype
+        ctx.mark_non_differentiable(idx_TK)
+        return idx_TK, scores_TK
+
+    @staticmethod
+    def backward(ctx, _didx, dscores_TK):
+        idx_TK, scores_TK = ctx.saved_tensors
+        # softmax over the K picks: dl_k = s_k (g_k - sum_j s_j g_j); other logits get 0
+        g = dscores_TK.float()
+        dl_TK = scores_TK * (g - (scores_TK * g).sum(-1, keepdim=True))
+        dlogits_TE = torch.zeros(ctx.shape, dtype=torch.float32, device=g.device)
+        dlogits_TE.scatter_(1, idx_TK.long(), dl_TK)
+        return dlogits_TE.to(ctx.dtype), None
+
+
+def topk_softmax(logits_TE: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(expert_idx_TK int32, scores_TK float32): top-K logits, softmax over the K picks.
+
+    Differentiable in logits_TE through scores_TK. Ties go to the lower expert index.
+    """
+    if logits_TE.dim() != 2:
+        raise ValueError(f"logits_TE must be (tokens, experts), got {tuple(logits_TE.shape)}")
+    if not 1 <= k <= logits_TE.shape[1]:
+        raise ValueError(f"top_k={k} must be between 1 and the number of experts {logits_TE.shape[1]}")
+    return _TopKSoftmax.apply(logits_TE, k)
+
+
+@triton.jit
+def _onehot_rank(idx_TK, c, eb, T, K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
+    """One-hot (BT, BE) of chunk c's tokens over expert block eb, and its inclusive cumsum."""
+    t = c * BT + tl.arange(0, BT)
+    tm = t < T
+    e = eb * BE + tl.arange(0, BE)
+    hot = tl.zeros((BT, BE), tl.int32)
+    for k in tl.static_range(K):
+        ek = tl.load(idx_TK + t.to(tl.int64) * K + k, mask=tm, other=-1)
+        hot += (ek[:, None] == e[None, :]).to(tl.int32)
+    return t, tm, e, hot, tl.cumsum(hot, axis=0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _count_kernel(idx_TK, counts_CE, T, E: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                  BE: tl.constexpr):
+    c = tl.program_id(0)
+    eb = tl.program_id(1)
+    t, tm, e, hot, _ = _onehot_rank(idx_TK, c, eb, T, K, BT, BE)
+    tl.store(counts_CE + c.to(tl.int64) * E + e, tl.sum(hot, axis=0), mask=e < E)
+
+
+@triton.jit(do_not_specialize=["C"])
+def _scan_chunks_kernel(counts_CE, base_CE, total_E, C, E: tl.constexpr, BC: tl.constexpr,
+                        BE: tl.constexpr):
+    """base[c, e] = sum_{c' < c} counts[c', e]; total[e] = sum_c counts[c, e]."""
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    em = e < E
+    carry = tl.zeros((BE,), tl.int32)
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)
+        m = (c < C)[:, None] & em[None, :]
+        ptr = c.to(tl.int64)[:, None] * E + e[None, :]
+        v = tl.load(counts_CE + ptr, mask=m, other=0)
+        incl = tl.cumsum(v, axis=0)
+        tl.store(base_CE + ptr, carry[None, :] + incl - v, mask=m)
+        carry += tl.sum(v, axis=0)
+    tl.store(total_E + e, carry, mask=em)
+
+
+@triton.jit
+def _expert_offsets_kernel(total_E, expert_offsets_E1, E: tl.constexpr, BE: tl.constexpr):
+    """expert_offsets = [0, cumsum(total)], one program."""
+    carry = 0
+    tl.store(expert_offsets_E1, 0)
+    for e0 in range(0, E, BE):
+        e = e0 + tl.arange(0, BE)
+        v = tl.load(total_E + e, mask=e < E, other=0)
+        tl.store(expert_offsets_E1 + 1 + e, carry + tl.cumsum(v, axis=0), mask=e < E)
+        carry += tl.sum(v, axis=0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _scatter_kernel(idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_R, order_R,
+                    rows_by_token_R, T, E: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                    BE: tl.constexpr):
+    """Row of every (token, k) whose expert lies in this block; fill the plan's index arrays."""
+    c = tl.program_id(0)
+    eb = tl.program_id(1)
+    t, tm, e, hot, incl = _onehot_rank(idx_TK, c, eb, T, K, BT, BE)
+    em = e < E
+    base = tl.load(base_CE + c.to(tl.int64) * E + e, mask=em, other=0) + \
+        tl.load(expert_offsets_E1 + e, mask=em, other=0)
+    row_TE = base[None, :] + incl - 1  # valid where hot
+    t64 = t.to(tl.int64)
+    for k in tl.static_range(K):
+        ek = tl.load(idx_TK + t64 * K + k, mask=tm, other=-1)
+        mine = tm & (ek >= eb * BE) & (ek < eb * BE + BE)
+        row = tl.sum(tl.where(ek[:, None] == e[None, :], row_TE, 0), axis=1)
+        slot = tl.zeros_like(ek)  # rank of this expert among the token's K (rows ascend with it)
+        for k2 in tl.static_range(K):
+            slot += (tl.load(idx_TK + t64 * K + k2, mask=tm, other=-1) < ek).to(tl.int32)
+        tl.store(token_idx_R + row, t, mask=mine)
+        tl.store(expert_idx_R + row, ek, mask=mine)
+        tl.store(order_R + row, t * K + k, mask=mine)
+        tl.store(rows_by_token_R + t64 * K + slot, row, mask=mine)
+
+
+def plan_from_topk(expert_idx_TK: Tensor, scores_TK: Tensor, num_experts: int) -> RoutingPlan:
+    """Same plan as sonic.routing.plan.plan_from_topk, built by Triton kernels without a sync.
+
+    Every token must have K distinct experts in [0, num_experts). scores_R = scores_TK
+    reordered, keeping its autograd history.
+    """
+    if expert_idx_TK.dim() != 2 or expert_idx_TK.shape != scores_TK.shape:
+        raise ValueError(f"expert_idx_TK {tuple(expert_idx_TK.shape)} and scores_TK "
+                         f"{tuple(scores_TK.shape)} must both be (tokens, K)")
+    T, K = expert_idx_TK.shape
+    E = num_experts
+    dev = expert_idx_TK.device
+    idx_TK = expert_idx_TK.to(torch.int32).contiguous()
+    R = T * K
+    be = max(16, min(128, triton.next_power_of_2(E)))
+    bt = 64
+    C, EB = triton.cdiv(T, bt), triton.cdiv(E, be)
+    i32 = dict(dtype=torch.int32, device=dev)
+    counts_CE = torch.empty(C, E, **i32)
+    base_CE = torch.empty(C, E, **i32)
+    total_E = torch.empty(E, **i32)
+    expert_offsets_E1 = torch.empty(E + 1, **i32)
+    token_idx_R, expert_idx_R, order_R, rows_by_token_R = (torch.empty(R, **i32) for _ in range(4))
+    if T:
+        _count_kernel[(C, EB)](idx_TK, counts_CE, T, E=E, K=K, BT=bt, BE=be, num_warps=4)
+        _scan_chunks_kernel[(EB,)](counts_CE, base_CE, total_E, C, E=E, BC=32, BE=be, num_warps=4)
+    else:
+        total_E.zero_()
+    _expert_offsets_kernel[(1,)](total_E, expert_offsets_E1, E=E,
+                                 BE=max(16, min(4096, triton.next_power_of_2(E))), num_warps=4)
+    if T:
+        _scatter_kernel[(C, EB)](idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_R, order_R,
+                                 rows_by_token_R, T, E=E, K=K, BT=bt, BE=be, num_warps=4)
+    token_offsets_T1 = torch.arange(0, R + 1, K, dtype=torch.int32, device=dev)
+    return RoutingPlan(token_idx_R=token_idx_R, expert_idx_R=expert_idx_R,
+                       scores_R=scores_TK.reshape(-1)[order_R.long()],
+                       expert_offsets_E1=expert_offsets_E1, token_offsets_T1=token_offsets_T1,
+                       rows_by_token_R=rows_by_token_R)
+
+
+def route_topk(logits_TE: Tensor, k: int) -> RoutingPlan:
+    """Top-K + softmax over the picks + plan, all on device: the router's default path."""
+    idx_TK, scores_TK = topk_softmax(logits_TE, k)
+    return plan_from_topk(idx_TK, scores_TK, logits_TE.shape[1])
