@@ -1,0 +1,53 @@
+import math
+
+import pytest
+import torch
+
+from sonic.models import ModelConfig, MoEConfig, Transformer
+from sonic.train.optim import OptimConfig, build_optimizer, lr_factor
+
+
+def test_cosine_warmup_then_decay_to_min():
+    cfg = OptimConfig(schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_factor(0, 100, cfg) == pytest.approx(0.1)
+    assert lr_factor(9, 100, cfg) == pytest.approx(1.0)
+    assert lr_factor(10, 100, cfg) == pytest.approx(1.0)
+    assert lr_factor(55, 100, cfg) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(100, 100, cfg) == pytest.approx(0.1)
+
+
+def test_wsd_is_flat_then_linear():
+    cfg = OptimConfig(schedule="wsd", warmup_steps=5, decay_fraction=0.2, min_lr_ratio=0.0)
+    assert [lr_factor(s, 100, cfg) for s in (5, 50, 79)] == [1.0, 1.0, 1.0]
+    assert lr_factor(80, 100, cfg) == pytest.approx(1.0)
+    assert lr_factor(90, 100, cfg) == pytest.approx(0.5)
+    assert lr_factor(100, 100, cfg) == pytest.approx(0.0)
+
+
+def test_no_decay_on_norms_biases_embeddings():
+    model = Transformer(ModelConfig(vocab_size=32, dim=16, num_layers=1, num_heads=2, qk_norm="full",
+                                    moe=MoEConfig(num_experts=2, top_k=1, expert_dim=8, expert_bias=True)))
+    decay, no_decay = build_optimizer(model, OptimConfig(weight_decay=0.1)).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
+    assert "embed_tokens.weight" in no_decay_names and "norm.weight" in no_decay_names
+    assert "layers.0.ffn.b1_EF" in no_decay_names
+    assert "layers.0.ffn.w1_EFD" not in no_decay_names
+    all_decay = build_optimizer(model, OptimConfig(decay_norms_and_embeddings=True)).param_groups
+    assert len(all_decay[1]["params"]) == 0
+
+
+@pytest.mark.parametrize("kw, field", [({"schedule": "linear"}, "schedule"), ({"lr": 0.0}, "lr"),
+                                       ({"beta2": 1.0}, "beta2"), ({"min_lr_ratio": 2.0}, "min_lr_ratio")])
+def test_bad_optim_config(kw, field):
+    with pytest.raises(ValueError, match=field):
+        OptimConfig(**kw)
+
+
+def test_decoupled_weight_decay_shrinks_weights_without_gradient():
+    p = torch.nn.Parameter(torch.ones(4, 4))
+    opt = torch.optim.AdamW([{"params": [p], "weight_decay": 0.5}], lr=0.1)
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.full((4, 4), 1 - 0.1 * 0.5))
