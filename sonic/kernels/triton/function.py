@@ -19,6 +19,11 @@ from sonic.routing.plan import RoutingPlan
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Every buffer a kernel writes is allocated here (tests poison it to catch unwritten output)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 class TileMap:
     """Device-side (expert, first row) of every BM-row tile, for one plan and one BM."""
 
@@ -26,9 +31,9 @@ class TileMap:
         E = expert_offsets_E1.numel() - 1
         self.max_tiles = triton.cdiv(num_rows, bm) + E
         dev = expert_offsets_E1.device
-        self.tile_expert = torch.empty(self.max_tiles, dtype=torch.int32, device=dev)
-        self.tile_row = torch.empty(self.max_tiles, dtype=torch.int32, device=dev)
-        self.num_tiles = torch.empty(1, dtype=torch.int32, device=dev)
+        self.tile_expert = _alloc((self.max_tiles,), torch.int32, dev)
+        self.tile_row = _alloc((self.max_tiles,), torch.int32, dev)
+        self.num_tiles = _alloc((1,), torch.int32, dev)
         gemm.tile_map_kernel[(E,)](expert_offsets_E1, self.tile_expert, self.tile_row, self.num_tiles,
                                    E, BM=bm, BLOCK_E=max(16, min(1024, triton.next_power_of_2(E))),
                                    BLOCK_J=64)
@@ -57,8 +62,8 @@ def _key(x: Tensor, D: int, N: int, E: int) -> tuple:
 
 def up_proj(x_TD, w1_EFD, b1_EF, token_idx_R, maps: _Maps, key) -> tuple[Tensor, Tensor]:
     R, (E, F, D) = token_idx_R.numel(), w1_EFD.shape
-    h_RF = x_TD.new_empty(R, F)
-    a_RN = x_TD.new_empty(R, F // 2)
+    h_RF = _alloc((R, F), x_TD.dtype, x_TD.device)
+    a_RN = _alloc((R, F // 2), x_TD.dtype, x_TD.device)
 
     def run(cfg: tuning.Config):
         tm = maps(cfg.bm)
@@ -76,7 +81,7 @@ def up_proj(x_TD, w1_EFD, b1_EF, token_idx_R, maps: _Maps, key) -> tuple[Tensor,
 
 def varlen_m(a_RK, b_EKN, stride_bk, stride_bn, N, bias_EN, maps: _Maps, kernel: str, key) -> Tensor:
     R, K = a_RK.shape
-    out_RN = a_RK.new_empty(R, N)
+    out_RN = _alloc((R, N), a_RK.dtype, a_RK.device)
 
     def run(cfg: tuning.Config):
         tm = maps(cfg.bm)
@@ -93,14 +98,14 @@ def varlen_m(a_RK, b_EKN, stride_bk, stride_bn, N, bias_EN, maps: _Maps, kernel:
 
 def dh(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF, maps: _Maps, key):
     R, (E, D, N) = token_idx_R.numel(), w2_EDN.shape
-    dh_RF = h_RF.new_empty(R, 2 * N)
-    aprime_RN = h_RF.new_empty(R, N)
+    dh_RF = _alloc((R, 2 * N), h_RF.dtype, h_RF.device)
+    aprime_RN = _alloc((R, N), h_RF.dtype, h_RF.device)
     result = {}
 
     def run(cfg: tuning.Config):
         tm = maps(cfg.bm)
         num_n = triton.cdiv(N, cfg.bn)
-        ds_part_JR = torch.empty(num_n, R, dtype=torch.float32, device=h_RF.device)
+        ds_part_JR = _alloc((num_n, R), torch.float32, h_RF.device)
         gemm.dh_kernel[(tm.max_tiles * num_n,)](
             dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED if b2_ED is not None else w2_EDN, h_RF,
             dh_RF, aprime_RN, ds_part_JR, *tm.args(maps.off), R, D=D, N=N,
@@ -118,8 +123,8 @@ def varlen_k(p_XI, p_idx_R, q_YJ, q_idx_R, expert_offsets_E1, out_dtype, weight_
     """out_e = P[rows of e]^T Q[rows of e] (rows optionally gathered), (E, I, J)."""
     I, J = p_XI.shape[1], q_YJ.shape[1]
     E = expert_offsets_E1.numel() - 1
-    out_EIJ = torch.empty(E, I, J, dtype=out_dtype, device=p_XI.device)
-    bias_EI = torch.empty(E, I, dtype=out_dtype, device=p_XI.device) if bias_grad else None
+    out_EIJ = _alloc((E, I, J), out_dtype, p_XI.device)
+    bias_EI = _alloc((E, I), out_dtype, p_XI.device) if bias_grad else None
 
     def run(cfg: tuning.Config):
         grid = (E * triton.cdiv(I, cfg.bm) * triton.cdiv(J, cfg.bn),)
@@ -142,7 +147,7 @@ def varlen_k(p_XI, p_idx_R, q_YJ, q_idx_R, expert_offsets_E1, out_dtype, weight_
 
 def gather_sum(rows_RD: Tensor, plan: RoutingPlan, weight_R: Tensor | None, out_dtype) -> Tensor:
     T, D = plan.num_tokens, rows_RD.shape[1]
-    out_TD = torch.empty(T, D, dtype=out_dtype, device=rows_RD.device)
+    out_TD = _alloc((T, D), out_dtype, rows_RD.device)
     block_d = min(triton.next_power_of_2(D), 4096)
     gemm.gather_sum_kernel[(T, triton.cdiv(D, block_d))](
         rows_RD, weight_R if weight_R is not None else rows_RD, plan.token_offsets_T1,

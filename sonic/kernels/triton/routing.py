@@ -25,6 +25,11 @@ from torch import Tensor
 from sonic.routing.plan import RoutingPlan
 
 
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Every buffer a kernel writes is allocated here (tests poison it to catch unwritten output)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _topk_softmax_kernel(logits_TE, idx_TK, scores_TK, T, E: tl.constexpr, K: tl.constexpr,
                          BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
@@ -59,8 +64,8 @@ class _TopKSoftmax(torch.autograd.Function):
     def forward(ctx, logits_TE: Tensor, k: int):
         T, E = logits_TE.shape
         logits_TE = logits_TE.contiguous()
-        idx_TK = torch.empty(T, k, dtype=torch.int32, device=logits_TE.device)
-        scores_TK = torch.empty(T, k, dtype=torch.float32, device=logits_TE.device)
+        idx_TK = _alloc((T, k), torch.int32, logits_TE.device)
+        scores_TK = _alloc((T, k), torch.float32, logits_TE.device)
         if T:
             be = max(16, triton.next_power_of_2(E))
             bt = max(1, min(64, 2048 // be))
@@ -190,12 +195,11 @@ def plan_from_topk(expert_idx_TK: Tensor, scores_TK: Tensor, num_experts: int) -
     be = max(16, min(128, triton.next_power_of_2(E)))
     bt = 64
     C, EB = triton.cdiv(T, bt), triton.cdiv(E, be)
-    i32 = dict(dtype=torch.int32, device=dev)
-    counts_CE = torch.empty(C, E, **i32)
-    base_CE = torch.empty(C, E, **i32)
-    total_E = torch.empty(E, **i32)
-    expert_offsets_E1 = torch.empty(E + 1, **i32)
-    token_idx_R, expert_idx_R, order_R, rows_by_token_R = (torch.empty(R, **i32) for _ in range(4))
+    counts_CE = _alloc((C, E), torch.int32, dev)
+    base_CE = _alloc((C, E), torch.int32, dev)
+    total_E = _alloc((E,), torch.int32, dev)
+    expert_offsets_E1 = _alloc((E + 1,), torch.int32, dev)
+    token_idx_R, expert_idx_R, order_R, rows_by_token_R = (_alloc((R,), torch.int32, dev) for _ in range(4))
     if T:
         _count_kernel[(C, EB)](idx_TK, counts_CE, T, E=E, K=K, BT=bt, BE=be, num_warps=4)
         _scan_chunks_kernel[(EB,)](counts_CE, base_CE, total_E, C, E=E, BC=32, BE=be, num_warps=4)

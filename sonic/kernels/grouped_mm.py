@@ -1,0 +1,41 @@
+"""grouped_mm backend: the torchtitan-style baseline on `torch._grouped_mm`, plain autograd.
+
+It materialises the gathered X (R x D), keeps H, A and Y for backward through autograd,
+and scatters the weighted Y back with index_add_: the layer the benchmark compares the
+fused backends against. Same semantics as the reference (H rounded to the input dtype
+before SwiGLU, scores applied in fp32).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sonic.kernels.swiglu import swiglu
+from sonic.routing.plan import RoutingPlan
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm (needs >= 2.8)"
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return f"torch._grouped_mm needs compute capability >= 8.0, got {major}.{minor}"
+    return None
+
+
+def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
+            b1_EF: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
+    tok = plan.token_idx_R.long()
+    ends_E = plan.expert_offsets_E1[1:]  # _grouped_mm takes each group's end row
+    x_RD = x_TD[tok]  # materialised gather
+    h_RF = torch._grouped_mm(x_RD, w1_EFD.transpose(-2, -1), offs=ends_E)
+    if b1_EF is not None:
+        h_RF = h_RF + b1_EF[plan.expert_idx_R.long()]
+    a_RN = swiglu(h_RF).to(x_TD.dtype)
+    y_RD = torch._grouped_mm(a_RN, w2_EDN.transpose(-2, -1), offs=ends_E)
+    if b2_ED is not None:
+        y_RD = y_RD + b2_ED[plan.expert_idx_R.long()]
+    weighted_RD = (y_RD.float() * plan.scores_R.float()[:, None]).to(x_TD.dtype)
+    return torch.zeros_like(x_TD).index_add_(0, tok, weighted_RD)
