@@ -26,9 +26,10 @@ Rounding rules (r_e = f_e mod M; every rule returns down_e when r_e = 0):
   nearest        up iff 2 r_e >= M (NR-f; a tie rounds up, keeping the TC picks)
   stochastic     up with probability r_e / M (SR-f), one torch.rand(E) on f's device, so
                  a restored RNG state (activation checkpointing) reproduces the decision
-  nearest_score  up iff the summed P_te of the (up_e - f_e) EC candidates that rounding up
-                 would add >= the summed TC gates of the (f_e - down_e) TC picks that
-                 rounding down would drop (NR-s): keep whichever side carries more score
+  nearest_score  NR-f measured in score instead of rows (NR-s): up iff the summed P_te of
+                 the (up_e - f_e) EC candidates that rounding up would add <= the summed TC
+                 gates of the (f_e - down_e) TC picks that rounding down would drop, i.e.
+                 the side that perturbs the top-K output less, by gate mass (tie: up)
   balance        the one of down_e, up_e that brings the running residual
                  C_e + f_e - c_e closest to 0 (tie: down). C_e, the cumulative f - c over
                  past steps, then stays within [-M/2, M/2] whenever T is a multiple of M
@@ -78,7 +79,7 @@ def round_counts(counts_E: Tensor, tile: int, mode: str, num_tokens: int, *,
         assert ranked_gates_TE is not None
         added_E = _segment_sums(ranked_gates_TE, counts_E, up_E)
         dropped_E = _segment_sums(ranked_gates_TE, down_E, counts_E)
-        go_up_E = added_E >= dropped_E
+        go_up_E = added_E <= dropped_E
     elif mode == "balance":
         assert residual_E is not None
         target_E = residual_E + counts_E
