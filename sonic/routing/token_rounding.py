@@ -112,7 +112,7 @@ def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tenso
         ranked_gates_TE = gate_TE.detach().gather(0, order_TE) if mode == "nearest_score" else None
         rounded_E = round_counts(counts_E, tile, mode, T, ranked_gates_TE=ranked_gates_TE, residual_E=residual_E)
     keep_TE = torch.arange(T, device=probs_TE.device)[:, None] < rounded_E[None, :]
-    token_idx = order_TE[keep_TE]  # the one host sync: the kept row count
-    expert_idx = torch.arange(E, device=probs_TE.device).expand(T, E)[keep_TE]
+    rank_idx, expert_idx = keep_TE.nonzero(as_tuple=True)  # the one host sync: the kept row count
+    token_idx = order_TE[rank_idx, expert_idx]
     plan = build_plan(token_idx, expert_idx, gate_TE[token_idx, expert_idx], T, E)
     return RoundedPlan(plan, counts_E, rounded_E)

@@ -1,0 +1,63 @@
+"""On CUDA: routing matches the CPU and does not synchronise with the host where it need not."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from sonic.routing import Router, RoutingConfig
+
+pytestmark = pytest.mark.gpu
+
+CONFIGS = [dict(method="topk"), dict(method="topk", order="softmax_topk", renormalize=True),
+           dict(method="expert_choice", capacity_factor=1.25)]
+ROUNDING = [dict(method="token_rounding", rounding_mode=m, tile_size=64)
+            for m in ("nearest", "nearest_score", "balance", "up", "down")]
+
+
+def _router(cfg, device, seed=0):
+    torch.manual_seed(seed)
+    router = Router(64, 32, 4, RoutingConfig(**cfg)).train()
+    return router.to(device)
+
+
+def _syncs(fn) -> int:
+    """How many synchronising CUDA calls fn makes (torch's sync debug mode, counted as warnings)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS + ROUNDING, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_cuda_plan_equals_cpu_plan(cfg):
+    x = torch.randn(1024, 64, generator=torch.Generator().manual_seed(1))
+    cpu = _router(cfg, "cpu")(x).plan
+    gpu = _router(cfg, "cuda")(x.cuda()).plan
+    for name, a, b in zip(("scores", "token", "expert", "expert_off", "token_off", "by_token"),
+                          cpu.tensors(), gpu.tensors()):
+        if name == "scores":
+            torch.testing.assert_close(b.cpu(), a, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(b.cpu(), a), name
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_topk_and_expert_choice_never_sync(cfg):
+    router = _router(cfg, "cuda")
+    x = torch.randn(4096, 64, device="cuda", requires_grad=True)
+    assert _syncs(lambda: router(x)) == 0
+
+
+@pytest.mark.parametrize("cfg", ROUNDING, ids=lambda c: c["rounding_mode"])
+def test_token_rounding_syncs_once(cfg):
+    """The kept row count is data dependent: one sync to size the plan, none elsewhere."""
+    router = _router(cfg, "cuda")
+    x = torch.randn(4096, 64, device="cuda")
+    assert _syncs(lambda: router(x)) == 1
