@@ -1,0 +1,156 @@
+"""Time the CuTe-DSL kernels on a SonicMoE shape against cuBLAS and the paper.
+
+For each kernel: median time (triton do_bench), TFLOP/s, and cuBLAS (torch.matmul / bmm) on
+the same FLOPs; then the whole layer forward / backward. Prints a table last and writes
+JSON (with the exact command) to bench/results/<date>-<gpu>-cute.json or --out.
+
+  python bench/cute_gemm.py --shape 7b [--tile-n down=128,up=256] [--layer] [--out x.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # T, D, N, E, K (PAPER.md Table 9b and README.md)
+    "7b": (24576, 1536, 256, 128, 8),
+    "7b-n512": (24576, 1536, 512, 64, 4),
+    "1.4b": (40960, 768, 256, 128, 8),
+    "30b": (32768, 4096, 512, 128, 8),
+    "olmoe": (32768, 2048, 1024, 64, 8),
+    "small": (4096, 512, 256, 16, 4),
+}
+PAPER_TF = {"up": 559, "down": 485, "dh": 328}  # 7B breakdown on H100 (PAPER.md)
+
+
+def bench(fn, warmup=25, rep=100) -> float:
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")  # ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="7b", choices=sorted(SHAPES))
+    ap.add_argument("--tile-n", default="", help="per-kernel tile width, e.g. down=128,up=256")
+    ap.add_argument("--layer", action="store_true", help="also time the whole layer fwd/bwd")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from sonic.kernels.cute import ops
+    from sonic.routing.plan import plan_from_topk
+
+    T, D, N, E, K = SHAPES[args.shape]
+    tiles = dict(kv.split("=") for kv in args.tile_n.split(",") if kv)
+    tn = {k: int(v) for k, v in tiles.items()}
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    logits = torch.randn(T, E, device=dev)
+    top, idx = logits.topk(K, -1)
+    plan = plan_from_topk(idx, torch.softmax(top, -1), E)
+    R = plan.num_rows
+    tok, off = plan.token_idx_R, plan.expert_offsets_E1
+    x = torch.randn(T, D, device=dev).bfloat16()
+    w1 = (torch.randn(E, 2 * N, D, device=dev) / D ** 0.5).bfloat16()
+    w2 = (torch.randn(E, D, N, device=dev) / N ** 0.5).bfloat16()
+    dout = torch.randn(T, D, device=dev).bfloat16()
+    s = plan.scores_R.float()
+
+    # first calls compile (timed separately), later calls are cached
+    t0 = time.perf_counter()
+    h, a = ops.up_proj(x, w1, tok, off, tile_n=tn.get("up"))
+    y = ops.down_proj(a, w2, off, tok, tile_n=tn.get("down"))
+    dh, ap_, ds = ops.dh(dout, w2, h, s, tok, off, tile_n=tn.get("dh"))
+    dxt = ops.dx_rows(dh, w1, off, tok, tile_n=tn.get("dx"))
+    ops.dw1(dh, x, tok, off, E)
+    ops.dw2(dout, ap_, tok, off, E)
+    ops.gather_sum(y, plan.token_offsets_T1, plan.rows_by_token_R, plan.scores_R)
+    ops.gather_sum(dxt, plan.token_offsets_T1, plan.rows_by_token_R)
+    torch.cuda.synchronize()
+    first_call_s = time.perf_counter() - t0
+
+    F = 2 * N
+    rows = []
+
+    def row(name, ms, flops, base_ms=None, bytes_=None):
+        r = {"kernel": name, "ms": ms, "tflops": flops / ms * 1e-9 if flops else None}
+        if base_ms is not None:
+            r["cublas_ms"] = base_ms
+            r["vs_cublas"] = base_ms / ms
+        if bytes_:
+            r["gbps"] = bytes_ / ms * 1e-6
+        if name in PAPER_TF and args.shape == "7b":
+            r["paper_tf"] = PAPER_TF[name]
+        rows.append(r)
+
+    # cuBLAS on equal FLOPs: one dense GEMM with M = R (same M, N, K as the grouped GEMM)
+    def cublas(m, n, k):
+        A = torch.randn(m, k, device=dev).bfloat16()
+        B = torch.randn(k, n, device=dev).bfloat16()
+        return bench(lambda: A @ B)
+
+    row("up", bench(lambda: ops.up_proj(x, w1, tok, off, tile_n=tn.get("up"), out=(h, a))),
+        2 * R * F * D, cublas(R, F, D))
+    row("down", bench(lambda: ops.down_proj(a, w2, off, tok, tile_n=tn.get("down"), out=y)),
+        2 * R * D * N, cublas(R, D, N))
+    row("dh", bench(lambda: ops.dh(dout, w2, h, s, tok, off, tile_n=tn.get("dh"))),
+        2 * R * N * D, cublas(R, N, D))
+    row("dx", bench(lambda: ops.dx_rows(dh, w1, off, tok, tile_n=tn.get("dx"), out=dxt)),
+        2 * R * D * F, cublas(R, D, F))
+    row("dw1", bench(lambda: ops.dw1(dh, x, tok, off, E)), 2 * R * F * D, cublas(F, D, R))
+    row("dw2", bench(lambda: ops.dw2(dout, ap_, tok, off, E)), 2 * R * D * N, cublas(D, N, R))
+    out = torch.empty(T, D, device=dev, dtype=torch.bfloat16)
+    row("gather_sum_fwd", bench(lambda: ops.gather_sum(y, plan.token_offsets_T1, plan.rows_by_token_R,
+                                                       plan.scores_R, out=out)),
+        0, bytes_=(R + T) * D * 2)
+    row("gather_sum_bwd", bench(lambda: ops.gather_sum(dxt, plan.token_offsets_T1, plan.rows_by_token_R,
+                                                       out=out)), 0, bytes_=(R + T) * D * 2)
+
+    layer = {}
+    if args.layer:
+        from sonic.kernels.cute.function import experts
+        xg = x.clone().requires_grad_()
+        w1g, w2g = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        sg = plan.scores_R.clone().requires_grad_()
+        p2 = plan.with_scores(sg)
+        fwd = bench(lambda: experts(xg, w1g, w2g, p2))
+        o = experts(xg, w1g, w2g, p2)
+        bwd_total = bench(lambda: torch.autograd.grad(experts(xg, w1g, w2g, p2), (xg, w1g, w2g, sg), dout))
+        flop = 6 * T * K * N * D
+        layer = {"fwd_ms": fwd, "fwd_bwd_ms": bwd_total, "bwd_ms": bwd_total - fwd,
+                 "fwd_tf": flop / fwd * 1e-9, "bwd_tf": 2 * flop / (bwd_total - fwd) * 1e-9,
+                 "fwd_bwd_tf": 3 * flop / bwd_total * 1e-9}
+        del o
+
+    result = {
+        "what": "cute grouped GEMM kernels", "shape": dict(zip("TDNEK", SHAPES[args.shape])),
+        "name": args.shape, "gpu": torch.cuda.get_device_name(), "rows": rows, "layer": layer,
+        "first_call_s": first_call_s, "compile_s": ops.COMPILE_LOG,
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "date": datetime.date.today().isoformat(),
+    }
+    gpu = torch.cuda.get_device_name().split()[-1].lower().replace(" ", "")
+    path = Path(args.out or f"bench/results/{result['date']}-{gpu}-cute-{args.shape}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+
+    print(f"\n{args.shape} T,D,N,E,K={SHAPES[args.shape]}  R={R}  first call (compile) {first_call_s:.1f}s")
+    for key, secs in ops.COMPILE_LOG:
+        print(f"  compile {key}: {secs:.1f}s")
+    print(f"{'kernel':16s} {'ms':>8s} {'TF/s':>7s} {'cuBLAS ms':>10s} {'vs cuBLAS':>9s} {'paper TF':>8s}")
+    for r in rows:
+        tf = f"{r['tflops']:.0f}" if r["tflops"] else f"{r.get('gbps', 0):.0f}GB/s"
+        cb = f"{r['cublas_ms']:.3f}" if "cublas_ms" in r else "-"
+        vs = f"{r['vs_cublas']:.2f}" if "vs_cublas" in r else "-"
+        print(f"{r['kernel']:16s} {r['ms']:8.3f} {tf:>7s} {cb:>10s} {vs:>9s} {str(r.get('paper_tf', '-')):>8s}")
+    if layer:
+        print(f"layer fwd {layer['fwd_ms']:.3f} ms ({layer['fwd_tf']:.0f} TF)  bwd {layer['bwd_ms']:.3f} ms "
+              f"({layer['bwd_tf']:.0f} TF)  f+b {layer['fwd_bwd_ms']:.3f} ms ({layer['fwd_bwd_tf']:.0f} TF)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Per-token gather-sum in CuTe DSL: out_t = sum over token t's rows of (w_r *) rows_r.
+
+This is the aggregation of the forward (O from Y and the scores) and of the backward
+(dX from dX~). One warp owns one token: each lane keeps 8-column fp32 accumulators for its
+16-byte chunks of the row, walks the token's rows in `rows_by_token` order (deterministic,
+no atomics) and stores bf16 once. It is bandwidth-bound: R*D reads and T*D writes.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+WARPS = 4
+
+
+class GatherSum:
+    def __init__(self, D: int, weighted: bool):
+        assert D % 8 == 0
+        self.D = D
+        self.weighted = weighted
+        self.chunks = D // 8
+        self.per_lane = (self.chunks + 31) // 32
+
+    @cute.jit
+    def __call__(self, mRows: cute.Tensor, mW: cute.Tensor, mTokOff: cute.Tensor,
+                 mRowsByTok: cute.Tensor, mOut: cute.Tensor, stream):
+        T = mOut.shape[0]
+        self.kernel(mRows, mW, mTokOff, mRowsByTok, mOut).launch(
+            grid=((T + WARPS - 1) // WARPS, 1, 1), block=(32 * WARPS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mRows: cute.Tensor, mW: cute.Tensor, mTokOff: cute.Tensor,
+               mRowsByTok: cute.Tensor, mOut: cute.Tensor):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        t = cute.arch.block_idx()[0] * WARPS + warp
+        if t < mOut.shape[0]:
+            acc = cute.make_rmem_tensor((self.per_lane, 8), Float32)
+            acc.fill(0.0)
+            for j in cutlass.range(mTokOff[t], mTokOff[t + 1], unroll=1):
+                r = mRowsByTok[j]
+                w = Float32(1.0)
+                if const_expr(self.weighted):
+                    w = mW[r].to(Float32)
+                for q in cutlass.range_constexpr(self.per_lane):
+                    ch = lane + 32 * q
+                    if ch < self.chunks:
+                        src = _aligned16(cute.local_tile(mRows[r, None], (8,), (ch,)))
+                        v = src.load().to(Float32)
+                        for e in cutlass.range_constexpr(8):
+                            acc[q, e] += w * v[e]
+            for q in cutlass.range_constexpr(self.per_lane):
+                ch = lane + 32 * q
+                if ch < self.chunks:
+                    out = cute.make_rmem_tensor((8,), mOut.element_type)
+                    for e in cutlass.range_constexpr(8):
+                        out[e] = acc[q, e].to(mOut.element_type)
+                    dst = _aligned16(cute.local_tile(mOut[t, None], (8,), (ch,)))
+                    cute.autovec_copy(out, dst)
+
+
+def _aligned16(t: cute.Tensor) -> cute.Tensor:
+    ptr = cute.make_ptr(t.element_type, t.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
+    return cute.make_tensor(ptr, t.layout)

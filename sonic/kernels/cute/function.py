@@ -1,0 +1,74 @@
+"""The CuTe-DSL SonicMoE autograd Function: the reference's semantics with 8 fused kernels.
+
+forward   1. up-proj   H, A = SwiGLU(X[pi] W1^T)        gathered A operand, SwiGLU epilogue
+          2. down-proj Y = A W2^T                         contiguous rows
+          3. O = gather-sum of s * Y                      per token, no atomics
+backward  4. dH        dA' = dO[pi] W2 -> dH, A', dS      fused dSwiGLU epilogue
+          5. dW2       varlen-K  dO[pi]^T A'              gathered operand
+          6. dX~       dH W1
+          7. dW1       varlen-K  dH^T X[pi]               gathered operand
+          8. dX = gather-sum of dX~
+
+Saved for backward: X, H and the plan (with the weights), exactly what the reference saves.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sonic.kernels.cute import ops
+from sonic.routing.plan import RoutingPlan
+
+
+class _SonicMoECute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, *meta):
+        plan = RoutingPlan.from_metadata(scores_R, meta)
+        tok, off = plan.token_idx_R, plan.expert_offsets_E1
+        h_RF, a_RN = ops.up_proj(x_TD, w1_EFD, tok, off)
+        y_RD = ops.down_proj(a_RN, w2_EDN, off, tok)
+        out_TD = ops.gather_sum(y_RD, plan.token_offsets_T1, plan.rows_by_token_R, scores_R)
+        ctx.save_for_backward(x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, *meta)
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, dout_TD):
+        x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, *meta = ctx.saved_tensors
+        plan = RoutingPlan.from_metadata(scores_R, meta)
+        tok, off = plan.token_idx_R, plan.expert_offsets_E1
+        E = w1_EFD.shape[0]
+        dout_TD = dout_TD.to(x_TD.dtype).contiguous()
+        dh_RF, ap_RN, ds_R = ops.dh(dout_TD, w2_EDN, h_RF, scores_R, tok, off)
+        dw2 = ops.dw2(dout_TD, ap_RN, tok, off, E)
+        dxt_RD = ops.dx_rows(dh_RF, w1_EFD, off, tok)
+        dw1 = ops.dw1(dh_RF, x_TD, tok, off, E)
+        dx_TD = ops.gather_sum(dxt_RD, plan.token_offsets_T1, plan.rows_by_token_R)
+        return (dx_TD, dw1, dw2, None, None, ds_R.to(scores_R.dtype)) + (None,) * len(meta)
+
+
+def check_inputs(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan, b1_EF, b2_ED) -> None:
+    """User errors are ValueErrors that say what to change."""
+    if b1_EF is not None or b2_ED is not None:
+        raise ValueError("the cute backend does not fuse expert biases; keep biases out of the "
+                         "experts (DESIGN.md) or use kernel_backend=triton/reference")
+    if x_TD.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the cute backend runs bf16/fp16 activations, got {x_TD.dtype}")
+    if w1_EFD.dtype != x_TD.dtype or w2_EDN.dtype != x_TD.dtype:
+        raise ValueError("the cute backend needs x, w1 and w2 in one dtype "
+                         f"(got {x_TD.dtype}, {w1_EFD.dtype}, {w2_EDN.dtype})")
+    E, F, D = w1_EFD.shape
+    if F % 2 or w2_EDN.shape != (E, D, F // 2) or x_TD.shape[-1] != D:
+        raise ValueError(f"shape mismatch: x {tuple(x_TD.shape)}, w1 {tuple(w1_EFD.shape)}, "
+                         f"w2 {tuple(w2_EDN.shape)}")
+    if D % 8 or (F // 2) % 8:
+        raise ValueError(f"the cute backend needs d and n to be multiples of 8 (16-byte rows); "
+                         f"got d={D}, n={F // 2}")
+    if plan.num_experts != E:
+        raise ValueError(f"plan has {plan.num_experts} experts, weights have {E}")
+
+
+def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
+            b1_EF: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
+    check_inputs(x_TD, w1_EFD, w2_EDN, plan, b1_EF, b2_ED)
+    return _SonicMoECute.apply(x_TD.contiguous(), w1_EFD.contiguous(), w2_EDN.contiguous(), b1_EF,
+                               b2_ED, plan.scores_R, *plan.metadata())

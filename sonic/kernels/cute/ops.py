@@ -1,0 +1,239 @@
+"""Host side of the CuTe kernels: tensor views, compilation cache, launches.
+
+Kernels are compiled against symbolic ("fake") tensors in which the token count T and the
+routed-row count R are runtime values; D, N, E, the dtype and the tile configuration are
+static. The in-process cache is keyed by exactly that shape class, so a new batch with a
+different routing never recompiles. Calls go through TVM-FFI (torch tensors in, the
+current torch stream implied), which keeps the per-launch host cost to a few microseconds.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+
+import torch
+from torch import Tensor
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_tensor
+from cutlass.runtime import make_fake_stream
+
+from sonic.kernels.cute.aggregate import GatherSum
+from sonic.kernels.cute.epilogue import DSwiGLUEpilogue, StoreEpilogue, SwiGLUEpilogue
+from sonic.kernels.cute.gemm import GemmSpec, GroupedGemm
+
+_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+_LOCK = threading.Lock()
+COMPILE_LOG: list[tuple[str, float]] = []  # (kernel key, seconds), for benchmarks and tests
+
+
+def num_sms() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def _sym():
+    return cute.sym_int32()
+
+
+def _fake(dtype, shape, stride):
+    return make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
+
+
+def _options() -> str:
+    opts = "--enable-tvm-ffi --gpu-arch sm_90a"
+    dump = os.environ.get("SONIC_CUTE_DUMP_DIR")  # keep PTX/cubin for inspection
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        opts += f" --keep-ptx --keep-cubin --dump-dir {dump}"
+    return opts
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, tile_n: int, sms: int):
+    """Compile one kernel of the shape class (kind, dtype, D, N, E, tile); T and R stay symbolic."""
+    dt = _DTYPES[dtype]
+    F = 2 * N
+    T, R = _sym(), _sym()
+    i32 = cutlass.Int32
+    f32 = cutlass.Float32
+    offsets = _fake(i32, (E + 1,), (1,))
+    idx = _fake(i32, (R,), (1,))
+    if kind == "up":  # H, A = SwiGLU(X[idx] W1^T)
+        spec = GemmSpec("m", "a", E, tile_n=tile_n, num_sms=sms)
+        epi = SwiGLUEpilogue()
+        a = _fake(dt, (T, D), (D, 1))
+        b = _fake(dt, (F, D, E), (D, 1, F * D))
+        args = (_fake(dt, (R, F), (F, 1)), _fake(dt, (R, N), (N, 1)))
+    elif kind == "down":  # Y = A W2^T
+        spec = GemmSpec("m", None, E, tile_n=tile_n, num_sms=sms)
+        epi = StoreEpilogue()
+        a = _fake(dt, (R, N), (N, 1))
+        b = _fake(dt, (D, N, E), (N, 1, D * N))
+        args = (_fake(dt, (R, D), (D, 1)),)
+    elif kind == "dh":  # dA' = dO[idx] W2, fused dSwiGLU
+        spec = GemmSpec("m", "a", E, tile_n=tile_n, epi_n=16, num_sms=sms)
+        epi = DSwiGLUEpilogue()
+        a = _fake(dt, (T, D), (D, 1))
+        b = _fake(dt, (N, D, E), (1, N, D * N))
+        n_tiles = (N + tile_n - 1) // tile_n
+        args = (_fake(dt, (R, F), (F, 1)), _fake(f32, (R,), (1,)), _fake(dt, (R, F), (F, 1)),
+                _fake(dt, (R, N), (N, 1)), _fake(f32, (n_tiles, R), (R, 1)))
+    elif kind == "dx":  # dX~ = dH W1
+        spec = GemmSpec("m", None, E, tile_n=tile_n, num_sms=sms)
+        epi = StoreEpilogue()
+        a = _fake(dt, (R, F), (F, 1))
+        b = _fake(dt, (D, F, E), (1, D, F * D))
+        args = (_fake(dt, (R, D), (D, 1)),)
+    elif kind == "dw1":  # dW1_e = dH_e^T X[idx_e]   (M = F, N = D, K = rows of e)
+        spec = GemmSpec("k", "b", E, tile_n=128, num_sms=sms)
+        epi = StoreEpilogue()
+        a = _fake(dt, (F, R), (1, F))
+        b = _fake(dt, (D, T), (1, D))
+        args = (_fake(dt, (F, D, E), (D, 1, F * D)),)
+    elif kind == "dw2":  # dW2_e = dO[idx_e]^T A'_e   (M = D, N = N, K = rows of e)
+        spec = GemmSpec("k", "a", E, tile_n=128, num_sms=sms)
+        epi = StoreEpilogue()
+        a = _fake(dt, (D, T), (1, D))
+        b = _fake(dt, (N, R), (1, N))
+        args = (_fake(dt, (D, N, E), (N, 1, D * N)),)
+    else:
+        raise AssertionError(kind)
+    gemm = GroupedGemm(spec, epi)
+    t0 = time.perf_counter()
+    fn = cute.compile(gemm, a, b, offsets, idx, args, make_fake_stream(use_tvm_ffi_env_stream=True),
+                      options=_options())
+    COMPILE_LOG.append((f"{kind}/{dtype}/D{D}/N{N}/E{E}/tn{tile_n}", time.perf_counter() - t0))
+    return fn
+
+
+def compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, tile_n: int | None = None):
+    if dtype not in _DTYPES:
+        raise ValueError(f"the cute backend supports bf16/fp16 activations, got {dtype}")
+    if tile_n is None:
+        tile_n = default_tile_n(kind, D, N)
+    with _LOCK:
+        return _compiled(kind, dtype, D, N, E, tile_n, num_sms() if torch.cuda.is_available() else 132)
+
+
+def default_tile_n(kind: str, D: int, N: int) -> int:
+    """Output-tile width per kernel: the widest of 256/128 that divides the GEMM's N."""
+    n_out = {"up": 2 * N, "down": D, "dh": N, "dx": D}.get(kind, 128)
+    if kind in ("dw1", "dw2"):
+        return 128
+    return 256 if n_out % 256 == 0 else 128
+
+
+# --------------------------------------------------------------------------- launches
+# Every launcher takes optional preallocated outputs (`out=`), which the tests poison.
+def up_proj(x_TD: Tensor, w1_EFD: Tensor, token_idx_R: Tensor, offsets_E1: Tensor,
+            tile_n: int | None = None, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """H = X[idx] W1_e^T per expert segment (R, 2N) and A = SwiGLU(H) (R, N)."""
+    E, F, D = w1_EFD.shape
+    R = token_idx_R.numel()
+    h_RF, a_RN = out if out is not None else (x_TD.new_empty(R, F), x_TD.new_empty(R, F // 2))
+    if R:
+        fn = compiled("up", x_TD.dtype, D, F // 2, E, tile_n)
+        fn(x_TD, w1_EFD.permute(1, 2, 0), offsets_E1, token_idx_R, (h_RF, a_RN))
+    return h_RF, a_RN
+
+
+def down_proj(a_RN: Tensor, w2_EDN: Tensor, offsets_E1: Tensor, token_idx_R: Tensor,
+              tile_n: int | None = None, out: Tensor | None = None) -> Tensor:
+    """Y = A W2_e^T per expert segment (R, D)."""
+    E, D, N = w2_EDN.shape
+    R = a_RN.shape[0]
+    y_RD = out if out is not None else a_RN.new_empty(R, D)
+    if R:
+        fn = compiled("down", a_RN.dtype, D, N, E, tile_n)
+        fn(a_RN, w2_EDN.permute(1, 2, 0), offsets_E1, token_idx_R, (y_RD,))
+    return y_RD
+
+
+def dh(dout_TD: Tensor, w2_EDN: Tensor, h_RF: Tensor, scores_R: Tensor, token_idx_R: Tensor,
+       offsets_E1: Tensor, tile_n: int | None = None,
+       out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """dH (R, 2N), A' = s*A (R, N) and dS (R,) fp32 from dA' = dO[idx] W2_e."""
+    E, D, N = w2_EDN.shape
+    R = h_RF.shape[0]
+    tile_n = tile_n or default_tile_n("dh", D, N)
+    n_tiles = (N + tile_n - 1) // tile_n
+    if out is not None:
+        dh_RF, ap_RN, ds_PR = out
+    else:
+        dh_RF, ap_RN = torch.empty_like(h_RF), h_RF.new_empty(R, N)
+        ds_PR = torch.empty(n_tiles, R, dtype=torch.float32, device=h_RF.device)
+    assert ds_PR.shape == (n_tiles, R)
+    if R:
+        fn = compiled("dh", dout_TD.dtype, D, N, E, tile_n)
+        fn(dout_TD, w2_EDN.permute(2, 1, 0), offsets_E1, token_idx_R,
+           (h_RF, scores_R.float().contiguous(), dh_RF, ap_RN, ds_PR))
+    return dh_RF, ap_RN, ds_PR.sum(0)
+
+
+def dx_rows(dh_RF: Tensor, w1_EFD: Tensor, offsets_E1: Tensor, token_idx_R: Tensor,
+            tile_n: int | None = None, out: Tensor | None = None) -> Tensor:
+    """dX~ = dH W1_e per expert segment (R, D)."""
+    E, F, D = w1_EFD.shape
+    R = dh_RF.shape[0]
+    dxt_RD = out if out is not None else dh_RF.new_empty(R, D)
+    if R:
+        fn = compiled("dx", dh_RF.dtype, D, F // 2, E, tile_n)
+        fn(dh_RF, w1_EFD.permute(2, 1, 0), offsets_E1, token_idx_R, (dxt_RD,))
+    return dxt_RD
+
+
+def dw1(dh_RF: Tensor, x_TD: Tensor, token_idx_R: Tensor, offsets_E1: Tensor, E: int,
+        out: Tensor | None = None) -> Tensor:
+    """dW1_e = dH_e^T X[idx_e] (E, 2N, D); experts without rows get zeros."""
+    R, F = dh_RF.shape
+    D = x_TD.shape[1]
+    dw1_EFD = out if out is not None else dh_RF.new_empty(E, F, D)
+    if R == 0:
+        return dw1_EFD.zero_()
+    fn = compiled("dw1", dh_RF.dtype, D, F // 2, E)
+    fn(dh_RF.t(), x_TD.t(), offsets_E1, token_idx_R, (dw1_EFD.permute(1, 2, 0),))
+    return dw1_EFD
+
+
+def dw2(dout_TD: Tensor, ap_RN: Tensor, token_idx_R: Tensor, offsets_E1: Tensor, E: int,
+        out: Tensor | None = None) -> Tensor:
+    """dW2_e = dO[idx_e]^T A'_e (E, D, N); experts without rows get zeros."""
+    R, N = ap_RN.shape
+    D = dout_TD.shape[1]
+    dw2_EDN = out if out is not None else ap_RN.new_empty(E, D, N)
+    if R == 0:
+        return dw2_EDN.zero_()
+    fn = compiled("dw2", ap_RN.dtype, D, N, E)
+    fn(dout_TD.t(), ap_RN.t(), offsets_E1, token_idx_R, (dw2_EDN.permute(1, 2, 0),))
+    return dw2_EDN
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_gather_sum(dtype: torch.dtype, D: int, weighted: bool):
+    dt = _DTYPES[dtype]
+    T, R = _sym(), _sym()
+    t0 = time.perf_counter()
+    fn = cute.compile(GatherSum(D, weighted), _fake(dt, (R, D), (D, 1)),
+                      _fake(cutlass.Float32, (R,), (1,)) if weighted else None,
+                      _fake(cutlass.Int32, (_sym(),), (1,)),  # token offsets (T + 1,)
+                      _fake(cutlass.Int32, (R,), (1,)), _fake(dt, (T, D), (D, 1)),
+                      make_fake_stream(use_tvm_ffi_env_stream=True), options=_options())
+    COMPILE_LOG.append((f"gather_sum/{dtype}/D{D}/w{int(weighted)}", time.perf_counter() - t0))
+    return fn
+
+
+def gather_sum(rows_RD: Tensor, token_offsets_T1: Tensor, rows_by_token_R: Tensor,
+               weight_R: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """out_t = sum over token t's rows (rows_by_token order) of (w_r *) rows_r, fp32 accumulation."""
+    R, D = rows_RD.shape
+    T = token_offsets_T1.numel() - 1
+    out_TD = out if out is not None else rows_RD.new_empty(T, D)
+    if T:
+        with _LOCK:
+            fn = _compiled_gather_sum(rows_RD.dtype, D, weight_R is not None)
+        w = None if weight_R is None else weight_R.float().contiguous()
+        fn(rows_RD, w, token_offsets_T1, rows_by_token_R, out_TD)
+    return out_TD

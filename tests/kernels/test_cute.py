@@ -1,0 +1,213 @@
+"""CuTe-DSL Hopper backend: every kernel against an fp32 reference, then the whole layer.
+
+GPU tests need an sm_90 GPU and nvidia-cutlass-dsl; they skip cleanly otherwise. The CPU
+tests check that the backend stays importable and explains itself where it cannot run.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sonic.kernels import reference, resolve_backend
+from sonic.kernels.swiglu import dswiglu, swiglu
+from sonic.routing.plan import plan_from_topk
+
+# --------------------------------------------------------------------------- CPU
+def test_import_does_not_load_cutlass():
+    code = ("import sys, torch, sonic.kernels.cute as c; "
+            "assert 'cutlass' not in sys.modules; print(c.unavailable_reason(torch.device('cpu')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "CUDA" in out.stdout
+
+
+def test_explicit_request_names_the_reason_on_cpu():
+    with pytest.raises(ValueError, match="cute.*CUDA"):
+        resolve_backend("cute", torch.device("cpu"))
+
+
+# --------------------------------------------------------------------------- GPU helpers
+def _gpu_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    from sonic.kernels import cute
+    return cute.unavailable_reason(torch.device("cuda"))
+
+
+needs_cute = pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+gpu = [pytest.mark.gpu, needs_cute]
+
+BF16_TOL = 1e-2
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or NaN)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def poisoned(*shape, dtype=torch.bfloat16):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def make_plan(T: int, E: int, K: int, routing: str, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(T, E, device="cuda", generator=g)
+    if routing == "skewed":  # most rows land on experts 0 and 1
+        logits[:, :2] += 4.0
+    elif routing == "empty":  # only a third of the experts receive rows
+        logits[:, torch.arange(E, device="cuda") % 3 != 0] = -1e4
+    top, idx = logits.topk(K, dim=-1)
+    return plan_from_topk(idx, torch.softmax(top, -1), E)
+
+
+def segments(plan):
+    off = plan.expert_offsets_E1.tolist()
+    return [(e, off[e], off[e + 1]) for e in range(len(off) - 1)]
+
+
+ROUTINGS = ["uniform", "skewed", "empty"]
+# (T, D, N, E, K): rows per expert are not multiples of the 128-row tile; the first shape
+# has partial n-tiles (N=192 with 128-wide dH tiles) and several k-tiles.
+SHAPES = [(300, 384, 192, 8, 2), (517, 512, 256, 6, 3)]
+
+
+def inputs(T, D, N, E, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    w1 = (torch.randn(E, 2 * N, D, device="cuda", generator=g) / D ** 0.5).bfloat16()
+    w2 = (torch.randn(E, D, N, device="cuda", generator=g) / N ** 0.5).bfloat16()
+    return x, w1, w2
+
+
+# --------------------------------------------------------------------------- kernels
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.gpu
+@needs_cute
+def test_up_and_down_proj(shape, routing):
+    from sonic.kernels.cute import ops
+    T, D, N, E, K = shape
+    plan = make_plan(T, E, K, routing, seed=T + E)
+    x, w1, w2 = inputs(T, D, N, E, seed=7)
+    R = plan.num_rows
+    h, a = ops.up_proj(x, w1, plan.token_idx_R, plan.expert_offsets_E1,
+                       out=(poisoned(R, 2 * N), poisoned(R, N)))
+    y = ops.down_proj(a, w2, plan.expert_offsets_E1, plan.token_idx_R, out=poisoned(R, D))
+    tok = plan.token_idx_R.long()
+    h_ref = torch.empty(R, 2 * N, device="cuda")
+    y_ref = torch.empty(R, D, device="cuda")
+    for e, lo, hi in segments(plan):
+        h_ref[lo:hi] = x[tok[lo:hi]].float() @ w1[e].float().T
+        y_ref[lo:hi] = a[lo:hi].float() @ w2[e].float().T  # down-proj checked on its own input
+    assert rel_err(h, h_ref) < BF16_TOL
+    assert rel_err(a, swiglu(h_ref)) < BF16_TOL
+    assert rel_err(y, y_ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.gpu
+@needs_cute
+def test_dh_dx_dw(shape, routing):
+    from sonic.kernels.cute import ops
+    T, D, N, E, K = shape
+    plan = make_plan(T, E, K, routing, seed=3 * T + E)
+    x, w1, w2 = inputs(T, D, N, E, seed=11)
+    R = plan.num_rows
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dout = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    h = torch.randn(R, 2 * N, device="cuda", generator=g).bfloat16()
+    s = plan.scores_R.float()
+    tile_n = ops.default_tile_n("dh", D, N)
+    n_tiles = -(-N // tile_n)
+    dh, ap, ds = ops.dh(dout, w2, h, s, plan.token_idx_R, plan.expert_offsets_E1,
+                        out=(poisoned(R, 2 * N), poisoned(R, N),
+                             poisoned(n_tiles, R, dtype=torch.float32)))
+    dxt = ops.dx_rows(dh, w1, plan.expert_offsets_E1, plan.token_idx_R, out=poisoned(R, D))
+    dw1 = ops.dw1(dh, x, plan.token_idx_R, plan.expert_offsets_E1, E, out=poisoned(E, 2 * N, D))
+    dw2 = ops.dw2(dout, ap, plan.token_idx_R, plan.expert_offsets_E1, E, out=poisoned(E, D, N))
+
+    tok = plan.token_idx_R.long()
+    da_prime = torch.empty(R, N, device="cuda")
+    dxt_ref = torch.empty(R, D, device="cuda")
+    dw1_ref = torch.zeros(E, 2 * N, D, device="cuda")
+    dw2_ref = torch.zeros(E, D, N, device="cuda")
+    for e, lo, hi in segments(plan):
+        da_prime[lo:hi] = dout[tok[lo:hi]].float() @ w2[e].float()
+        dxt_ref[lo:hi] = dh[lo:hi].float() @ w1[e].float()  # each GEMM on its own inputs
+        dw1_ref[e] = dh[lo:hi].float().T @ x[tok[lo:hi]].float()
+        dw2_ref[e] = dout[tok[lo:hi]].float().T @ ap[lo:hi].float()
+    a = swiglu(h)
+    assert rel_err(ds, (da_prime * a).sum(-1)) < BF16_TOL
+    assert rel_err(dh, dswiglu(s[:, None] * da_prime, h)) < BF16_TOL
+    assert rel_err(ap, s[:, None] * a) < BF16_TOL
+    assert rel_err(dxt, dxt_ref) < BF16_TOL
+    assert rel_err(dw1, dw1_ref) < BF16_TOL
+    assert rel_err(dw2, dw2_ref) < BF16_TOL
+    if routing == "empty":  # experts without rows get exact zeros
+        empty = (plan.counts_E() == 0).nonzero().flatten()
+        assert (dw1[empty] == 0).all() and (dw2[empty] == 0).all()
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_gather_sum():
+    from sonic.kernels.cute import ops
+    plan = make_plan(1000, 16, 4, "skewed", seed=1)
+    rows = torch.randn(plan.num_rows, 264, device="cuda").bfloat16()
+    for w in (plan.scores_R, None):
+        out = ops.gather_sum(rows, plan.token_offsets_T1, plan.rows_by_token_R, w,
+                             out=poisoned(plan.num_tokens, 264))
+        ref = reference.gather_sum(rows, plan, w)
+        assert rel_err(out, ref) < 2e-3
+
+
+# --------------------------------------------------------------------------- the layer
+def _layer(backend, x, w1, w2, plan, dout):
+    from sonic.kernels import experts
+    x, w1, w2 = (t.detach().clone().requires_grad_() for t in (x, w1, w2))
+    scores = plan.scores_R.detach().clone().requires_grad_()
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = experts(x, w1, w2, plan.with_scores(scores), backend=backend)
+    out.backward(dout.to(out.dtype))
+    return out, x.grad, w1.grad, w2.grad, scores.grad, sum(saved)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.gpu
+@needs_cute
+def test_layer_forward_backward(routing):
+    T, D, N, E, K = 640, 256, 128, 8, 2
+    plan = make_plan(T, E, K, routing, seed=21)
+    x, w1, w2 = inputs(T, D, N, E, seed=4)
+    dout = torch.randn(T, D, device="cuda").bfloat16()
+    got = _layer("cute", x, w1, w2, plan, dout)
+    ref = _layer("reference", x.float(), w1.float(), w2.float(), plan, dout.float())
+    for name, g, r in zip(("O", "dX", "dW1", "dW2", "dS"), got[:5], ref[:5]):
+        assert rel_err(g, r) < BF16_TOL, name
+    bf16_ref = _layer("reference", x, w1, w2, plan, dout)
+    assert got[5] == bf16_ref[5], "saved bytes differ from the reference's"
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_no_recompilation_across_row_counts():
+    from sonic.kernels.cute import ops
+    D, N, E, K = 256, 128, 8, 2
+    x, w1, w2 = inputs(1024, D, N, E, seed=2)
+    dout = torch.randn(1024, D, device="cuda").bfloat16()
+    _layer("cute", x, w1, w2, make_plan(1024, E, K, "uniform", 1), dout)  # warm the cache
+    before = ops._compiled.cache_info().misses, ops._compiled_gather_sum.cache_info().misses
+    for T, routing in ((700, "skewed"), (333, "empty"), (1024, "uniform")):
+        _layer("cute", x[:T], w1, w2, make_plan(T, E, K, routing, T), dout[:T])
+    after = ops._compiled.cache_info().misses, ops._compiled_gather_sum.cache_info().misses
+    assert after == before
