@@ -13,7 +13,7 @@ from importlib import resources
 from typing import Iterator
 
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
-_PARAGRAPH_BREAK = re.compile(r"\n[ \t\r\f\v]*\n")
+_PARAGRAPH_BREAK = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")  # one or more blank lines
 
 
 def embedded_path() -> str:

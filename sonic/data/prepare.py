@@ -24,7 +24,6 @@ from sonic.data.config import DataConfig
 from sonic.data.corpus import tokenize_chunk
 from sonic.data.tokenizer import load_tokenizer, token_dtype
 
-CHUNK_DOCS = 256  # documents per task sent to a tokenizer process
 SOURCE_KEYS = ("source", "name", "subset", "split", "paths", "text_column", "txt_docs", "tokenizer")
 
 _worker_tokenizer = []  # one per pool process, set by its initializer (a pool task has no other channel)
@@ -44,7 +43,7 @@ def _tokenize_in_worker(task):
     return _tokenize(_worker_tokenizer[0], task)
 
 
-def _chunks(cfg, index: dict, max_docs: int | None):
+def _chunks(cfg, index: dict, max_docs: int | None, chunk_docs: int):
     """(texts, position after them) from where the index stopped; a position resumes the source exactly."""
     done = index["docs_read"]
     limit = None if max_docs is None else max(0, max_docs - done)
@@ -52,7 +51,7 @@ def _chunks(cfg, index: dict, max_docs: int | None):
         source = documents.open_hf(cfg, cfg.split, streaming=True)
         if index["resume"] is not None:
             source.ds.load_state_dict(index["resume"])
-        for batch in source.ds.iter(batch_size=CHUNK_DOCS):
+        for batch in source.ds.iter(batch_size=chunk_docs):
             texts = source.batch_texts(batch)[:limit]
             done += len(texts)
             yield texts, {"docs_read": done, "resume": source.ds.state_dict()}
@@ -63,7 +62,7 @@ def _chunks(cfg, index: dict, max_docs: int | None):
         return
     texts = (text for _, text in documents.iter_documents(cfg))
     texts = itertools.islice(texts, done, None if max_docs is None else max_docs)
-    while chunk := list(itertools.islice(texts, CHUNK_DOCS)):
+    while chunk := list(itertools.islice(texts, chunk_docs)):
         done += len(chunk)
         yield chunk, {"docs_read": done, "resume": None}
 
@@ -130,8 +129,12 @@ def _start_index(out: str, cfg: DataConfig, tokenizer) -> dict:
 
 
 def prepare(cfg: DataConfig, out: str, procs: int = 0, shard_tokens: int = 100_000_000,
-            max_docs: int | None = None, progress: bool = True) -> dict:
-    """Tokenises `cfg`'s documents into shards under `out`; returns the final index."""
+            max_docs: int | None = None, chunk_docs: int = 256, progress: bool = True) -> dict:
+    """Tokenises `cfg`'s documents into shards under `out`; returns the final index.
+
+    Shards close at the first chunk boundary past `shard_tokens`, so a shard's end is always a
+    resumable source position.
+    """
     from tqdm import tqdm
 
     if cfg.source == "shards":
@@ -139,8 +142,8 @@ def prepare(cfg: DataConfig, out: str, procs: int = 0, shard_tokens: int = 100_0
     if cfg.weights is not None:
         raise ValueError("data.weights: prepare one shard directory per component, then list the directories "
                          "in paths (source: shards) with the weights")
-    if shard_tokens < 1:
-        raise ValueError(f"shard_tokens={shard_tokens} must be >= 1")
+    if shard_tokens < 1 or chunk_docs < 1:
+        raise ValueError(f"shard_tokens={shard_tokens} and chunk_docs={chunk_docs} must be >= 1")
     tokenizer = load_tokenizer(cfg.tokenizer)
     os.makedirs(out, exist_ok=True)
     index = _start_index(out, cfg, tokenizer)
@@ -149,7 +152,7 @@ def prepare(cfg: DataConfig, out: str, procs: int = 0, shard_tokens: int = 100_0
     writer = _ShardWriter(out, index)
     bar = tqdm(desc=f"prepare {out}", unit=" docs", initial=index["docs_read"], disable=not progress)
     pool = mp.get_context().Pool(procs, _init_worker, (cfg.tokenizer,)) if procs > 0 else None
-    tasks = _chunks(cfg, index, max_docs)
+    tasks = _chunks(cfg, index, max_docs, chunk_docs)
     results = pool.imap(_tokenize_in_worker, tasks) if pool else (_tokenize(tokenizer, t) for t in tasks)
     empty, position = 0, {"docs_read": index["docs_read"], "resume": index["resume"]}
     try:
@@ -189,12 +192,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--procs", type=int, default=os.cpu_count(), help="tokenizer processes (0: in-process)")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (at least)")
     parser.add_argument("--max-docs", type=int, help="stop after this many source documents")
+    parser.add_argument("--chunk-docs", type=int, default=256, help="documents per tokenizer task")
     parser.add_argument("--verify", action="store_true", help="check OUT's shard hashes instead of preparing")
     args = parser.parse_args(argv)
     if args.verify:
         print(f"{args.out}: {shards.verify(args.out):,} tokens, all shards match index.json")
         return
-    index = prepare(_config(args.config, args.overrides), args.out, args.procs, args.shard_tokens, args.max_docs)
+    index = prepare(_config(args.config, args.overrides), args.out, args.procs, args.shard_tokens, args.max_docs,
+                    args.chunk_docs)
     tokens = sum(s["tokens"] for s in index["shards"])
     docs = sum(s["docs"] for s in index["shards"])
     print(f"{args.out}: {len(index['shards'])} shards, {docs:,} documents, {tokens:,} tokens "
