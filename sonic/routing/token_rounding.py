@@ -19,7 +19,8 @@ expert-choice (EC) candidates, so no tile is partial.
 4. Expert e keeps the first c_e tokens of its ranking.
 
 Gates: TC rows keep their top-K gate; EC rows get P_te, as the official sonic-moe
-benchmark does. Only the final row selection synchronises with the host (the row count is
+benchmark does. An aux-loss-free expert bias only moves the TC selection (step 1); the
+ranking keys and gates use the unbiased probabilities. Only the final row selection synchronises with the host (the row count is
 data dependent); counts and rounding decisions stay on device.
 
 Rounding rules (r_e = f_e mod M; every rule returns down_e when r_e = 0):

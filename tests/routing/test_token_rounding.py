@@ -229,7 +229,9 @@ def test_router_eval_mode_is_plain_topk():
         tr = Router(16, 8, 2, RoutingConfig(method="token_rounding", rounding_mode=mode, tile_size=32))
         tr.load_state_dict(topk.state_dict())
         train_plan = tr.train()(x).plan
+        buffers = {k: v.clone() for k, v in tr.named_buffers()}
         eval_plan = tr.eval()(x).plan
+        assert all(torch.equal(v, buffers[k]) for k, v in tr.named_buffers())  # eval leaves balance state alone
         ref = topk(x).plan
         for a, b in zip(eval_plan.tensors(), ref.tensors()):
             assert torch.equal(a, b)
