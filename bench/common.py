@@ -1,0 +1,82 @@
+"""Shared benchmark helpers: GPU naming, timing, tables and result files.
+
+Results go to bench/results/<date>-<gpu>-<what>.json together with the exact command.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def gpu_name() -> str:
+    """Short device tag for file names, e.g. 'h100' or 'cpu'."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    for tag in ("h200", "h100", "b200", "a100", "l40s", "l4"):
+        if tag in name:
+            return tag
+    return name.replace("nvidia", "").strip().replace(" ", "_")
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m",
+                                             Path(sys.argv[0]).with_suffix("").name] + sys.argv[1:])
+
+
+def result_path(what: str, explicit: str | None = None) -> Path:
+    if explicit:
+        return Path(explicit)
+    return RESULTS / f"{datetime.date.today().isoformat()}-{gpu_name()}-{what}.json"
+
+
+def write_json(path: Path, payload: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"command": command_line(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__, **payload}
+    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    out_dir = os.environ.get("OUT")  # the GPU machine's return folder, when there is one
+    if out_dir:
+        Path(out_dir, path.name).write_text(path.read_text())
+    return path
+
+
+def bench_ms(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] = (), warmup: int = 25,
+             rep: int = 100) -> float:
+    """Median milliseconds of fn() on the GPU (triton.testing.do_bench: events, L2 flushed)."""
+    if not torch.cuda.is_available():  # CPU smoke runs only: a few host-timed calls
+        import statistics
+        import time
+
+        times = []
+        for _ in range(3):
+            for t in grad_to_none:
+                t.grad = None
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep, grad_to_none=list(grad_to_none) or None,
+                    return_mode="median")
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    fmt = lambda r: "  ".join(str(c).rjust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
