@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 AC_MODES = ("none", "full", "selective")
 PARAM_DTYPES = ("bf16", "fp32")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclass
@@ -16,6 +17,7 @@ class ParallelConfig:
     activation_checkpoint: str = "none"  # none | full (every block) | selective (every `ac_every`-th block)
     ac_every: int = 2
     compile: bool = False  # torch.compile each transformer block
+    compile_backend: str = "inductor"  # inductor (fast kernels) | aot_eager (checks graph capture, compiles in seconds)
     backend: str = "auto"  # process-group backend: auto (nccl on GPU, gloo on CPU) | nccl | gloo
 
     def __post_init__(self):
@@ -25,7 +27,11 @@ class ParallelConfig:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in PARAM_DTYPES:
                 raise ValueError(f"parallel.{name}={getattr(self, name)!r} is not one of {', '.join(PARAM_DTYPES)}")
-        if self.dp_replicate < 1 or self.ac_every < 1:
-            raise ValueError("parallel.dp_replicate and parallel.ac_every must be >= 1")
+        for name in ("dp_replicate", "ac_every"):
+            if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name}={getattr(self, name)!r} must be an integer >= 1")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"parallel.compile_backend={self.compile_backend!r} is not one of "
+                             f"{', '.join(COMPILE_BACKENDS)}")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"parallel.backend={self.backend!r} is not one of auto, nccl, gloo")

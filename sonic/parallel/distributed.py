@@ -10,6 +10,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from sonic.parallel.config import ParallelConfig
 
+REDUCE_OPS = ("sum", "mean", "max")
+
 
 @dataclass
 class DistInfo:
@@ -17,11 +19,17 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: DeviceMesh | None  # None in a single process
+    mesh: DeviceMesh | None  # (dp_replicate, dp_shard); None in a single process
+    owns_group: bool = False  # init_distributed created the process group, so shutdown() destroys it
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def shutdown(self) -> None:
+        """Destroy the process group if we created it (a clean exit, no NCCL/gloo warnings)."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
@@ -30,6 +38,9 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("train.device=cuda but no CUDA GPU is visible; use train.device=cpu or auto")
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
+                             f"start at most one process per GPU (torchrun --nproc-per-node)")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     if requested != "cpu":
@@ -38,27 +49,35 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 
 
 def init_distributed(cfg: ParallelConfig, device: str) -> DistInfo:
+    """Join the process group that torchrun (or srun torchrun) describes in RANK/WORLD_SIZE/...
+
+    One process without those variables runs unsharded (mesh None).
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local_rank)
     if world == 1:
         return DistInfo(0, 1, 0, dev, None)
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
     if world % cfg.dp_replicate:
-        raise ValueError(f"parallel.dp_replicate={cfg.dp_replicate} does not divide the world size {world}")
+        raise ValueError(f"parallel.dp_replicate={cfg.dp_replicate} does not divide the world size {world}; "
+                         f"use the number of nodes (or 1 for plain FSDP)")
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
+    if backend == "nccl" and dev.type != "cuda":
+        raise ValueError("parallel.backend=nccl needs train.device=cuda; use parallel.backend=gloo on CPU")
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
     shape = (cfg.dp_replicate, world // cfg.dp_replicate)
     mesh = init_device_mesh(dev.type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
-    return DistInfo(rank, world, local_rank, dev, mesh)
+    return DistInfo(rank, world, local_rank, dev, mesh, owns)
 
 
 def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In-place sum or mean across data-parallel ranks (no-op in one process; gloo has no AVG)."""
-    assert op in ("sum", "mean")
+    """In-place sum, mean or max across data-parallel ranks (no-op in one process; gloo has no AVG)."""
+    assert op in REDUCE_OPS, op
     if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         if op == "mean":
             t.div_(dist.get_world_size())
     return t

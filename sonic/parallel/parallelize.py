@@ -1,7 +1,19 @@
-"""Apply activation checkpointing, torch.compile and FSDP-2 to a Transformer.
+"""Apply torch.compile, activation checkpointing and FSDP-2 to a Transformer.
 
-Order matters and follows torchtitan: AC wraps each block, compile compiles each
-(wrapped) block, then fully_shard shards each block and finally the root.
+Order: compile each block, wrap it for activation checkpointing (AC), then fully_shard each
+block and finally the root. torchtitan compiles the AC-wrapped block instead; that order
+makes dynamo trace the checkpoint as one higher-order op, and an MoE block cannot be traced
+whole (the routing plan's row count is data dependent), so dynamo would fall back to eager
+for the entire block and compile nothing. Compiling inside the wrapper keeps the graphs
+between those breaks compiled, and the recompute in backward re-runs the same compiled code.
+
+Routing on recompute: the wrapper restores the RNG state (stochastic rounding draws the
+same numbers) and the router reads its running buffers without updating them while a
+backward pass is running (sonic/routing/router.py), so a recomputed forward routes every
+token exactly as the original forward did.
+
+Inside forward, FSDP all-gathers each block's parameters into plain unsharded tensors, so
+every kernel backend sees ordinary local tensors.
 """
 from __future__ import annotations
 
@@ -17,47 +29,53 @@ from sonic.parallel.distributed import DistInfo
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _expert_placement(shard_size: int):
-    """Shard stacked expert weights on dim 0 (experts) when E divides evenly, else on the
-    first dim that does, so no rank holds padding; other params use FSDP's default dim 0."""
+def expert_shard_dim(shape: torch.Size, shard_size: int) -> int | None:
+    """Dim to shard a stacked expert weight (E, ., .) on: 0 (experts) when E divides evenly,
+    else the first other dim that does; None (FSDP's padded dim 0) when none does."""
+    return next((dim for dim, size in enumerate(shape) if size % shard_size == 0), None)
 
+
+def _placement_fn(shard_size: int):
     def placement(param: nn.Parameter) -> Shard | None:
-        if param.dim() < 3:
+        if param.dim() < 3:  # only stacked expert weights; the rest is small or evenly split
             return None
-        for dim, size in enumerate(param.shape):
-            if size % shard_size == 0:
-                return Shard(dim)
-        return None
+        dim = expert_shard_dim(param.shape, shard_size)
+        return None if dim is None else Shard(dim)
 
     return placement
+
+
+def checkpointed(i: int, cfg: ParallelConfig) -> bool:
+    """Whether block i recomputes its activations in backward."""
+    return cfg.activation_checkpoint == "full" or (cfg.activation_checkpoint == "selective"
+                                                   and i % cfg.ac_every == 0)
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, info: DistInfo) -> nn.Module:
     layers = model.layers
     for i, block in enumerate(layers):
-        if cfg.activation_checkpoint == "full" or (cfg.activation_checkpoint == "selective" and i % cfg.ac_every == 0):
-            # Recompute re-runs the router on the same input with the RNG state restored,
-            # so the recomputed routing equals the original one.
-            block = checkpoint_wrapper(block, preserve_rng_state=True)
         if cfg.compile:
-            block.compile()
+            block.compile(backend=cfg.compile_backend)
+        if checkpointed(i, cfg):
+            block = checkpoint_wrapper(block, preserve_rng_state=True)
         layers[i] = block
     if info.mesh is None:
         return model
-    mesh = info.mesh if cfg.dp_replicate > 1 else info.mesh["dp_shard"]
+    mesh = info.mesh if cfg.dp_replicate > 1 else info.mesh["dp_shard"]  # 2-D mesh = HSDP
     on_gpu = info.device.type == "cuda"  # bf16 compute on CPU would only be slow and inexact
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype] if on_gpu else torch.float32,
                               reduce_dtype=DTYPES[cfg.reduce_dtype] if on_gpu else torch.float32)
-    shard_size = info.mesh["dp_shard"].size()
+    placement = _placement_fn(info.mesh["dp_shard"].size())
     for i, block in enumerate(layers):
-        last = i == len(layers) - 1
-        fully_shard(block, mesh=mesh, mp_policy=mp, shard_placement_fn=_expert_placement(shard_size),
-                    reshard_after_forward=cfg.reshard_after_forward and not last)
+        # The last block's parameters are needed again right at the start of backward.
+        reshard = cfg.reshard_after_forward and i < len(layers) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp, shard_placement_fn=placement, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     return model
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Skip FSDP's reduce-scatter on all but the last micro-batch of an accumulation."""
+    """Skip FSDP's reduce-scatter (and HSDP's all-reduce) on all but the last micro-batch of an
+    accumulation: gradients accumulate unsharded locally and are reduced once per step."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)

@@ -2,11 +2,15 @@
 
 Layout of one checkpoint, <dir>/step_00000100/:
   .metadata, *.distcp   model + optimizer (torch.distributed.checkpoint: any world size)
-  extra_rank<r>.pt      scheduler, data-loader position, RNG states of rank r
+  extra_rank<r>.pt      scheduler, data-loader position, RNG states and model buffers of rank r
   config.yaml           the resolved run config (eval and HF export read it)
   meta.json             written last; its presence marks the checkpoint complete
 Everything is written into step_XXXXXXXX.tmp and renamed once complete, so a crash
 mid-save never leaves a directory that `resume: auto` would pick.
+
+Buffers (e.g. the router's balance residual) may differ between ranks, while DCP keeps one
+copy of an unsharded tensor; each rank therefore also keeps its own in extra_rank<r>.pt and
+gets it back on a resume at the same world size (another world size takes DCP's copy).
 """
 from __future__ import annotations
 
@@ -56,6 +60,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _clean(name: str) -> str:
+    """Parameter/buffer name without activation-checkpoint or compile wrapper prefixes."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out[_clean(f"{prefix}.{name}" if prefix else name)] = buf
+    return out
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under root, oldest first."""
     if not root.is_dir():
@@ -78,7 +96,8 @@ class Checkpointer:
         _barrier()
         msd, osd = get_state_dict(model, optimizer)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
-        torch.save({**extra, "rng": rng_state()}, tmp / f"extra_rank{_rank()}.pt")
+        buffers = {k: v.detach().cpu() for k, v in persistent_buffers(model).items()}
+        torch.save({**extra, "rng": rng_state(), "buffers": buffers}, tmp / f"extra_rank{_rank()}.pt")
         _barrier()
         if _rank() == 0:
             (tmp / "config.yaml").write_text(config_yaml)
@@ -120,6 +139,10 @@ class Checkpointer:
         extra = torch.load(extra_file, weights_only=False)
         if same_world:
             set_rng_state(extra["rng"])
+            buffers = persistent_buffers(model)
+            with torch.no_grad():
+                for name, saved in extra.get("buffers", {}).items():
+                    buffers[name].copy_(saved)
         else:
             warnings.warn(f"resuming a {meta['world_size']}-rank checkpoint on {_world()} ranks: model, optimizer "
                           f"and schedule are restored; the data order and RNG restart from the seed")

@@ -18,7 +18,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from sonic.data import build_loaders, build_tokenizer
 from sonic.models import Transformer, flops_per_token, param_counts
-from sonic.parallel import all_reduce_, init_distributed, parallelize, set_gradient_sync
+from sonic.parallel import PreemptionGuard, all_reduce_, init_distributed, parallelize, set_gradient_sync
 from sonic.train.checkpoint import Checkpointer
 from sonic.train.config import Config, to_yaml
 from sonic.train.loggers import MetricLogger
@@ -105,7 +105,8 @@ def train(cfg: Config) -> list[dict]:
     def save(step: int) -> None:
         extra = {"scheduler": scheduler.state_dict(), "loader": train_loader.state_dict()}
         path = ckpt.save(step, model, optimizer, extra, to_yaml(cfg))
-        log.info("saved %s", path)
+        if info.is_main:
+            log.info("saved %s", path)
 
     # --- logging ------------------------------------------------------------------------
     logger = MetricLogger(cfg.wandb, str(run_dir), asdict(cfg), enabled=info.is_main)
@@ -123,14 +124,15 @@ def train(cfg: Config) -> list[dict]:
 
     # --- the loop -----------------------------------------------------------------------
     model.train()
-    with logging_redirect_tqdm():
+    bias_update = cfg.model.moe.routing.bias_update_rate > 0
+    with logging_redirect_tqdm(), PreemptionGuard(device) as preemption:
         last_step, last_time = step, time.perf_counter()
         while step < t.steps:
             loss_sum = torch.zeros(3, device=device)  # lm loss, aux loss, z loss (summed over micro-batches)
             load_LE = None
             for micro in range(t.grad_accum):
                 batch = next(train_loader)
-                set_gradient_sync(model, micro == t.grad_accum - 1)
+                set_gradient_sync(model, micro == t.grad_accum - 1)  # one reduce-scatter per step
                 with autocast_context(cfg, device):
                     out = model(batch["input_ids"].to(device), _doc_ids(batch, cfg, device))
                 loss = lm_loss(out.logits_BSV, batch["labels"].to(device))
@@ -143,29 +145,29 @@ def train(cfg: Config) -> list[dict]:
                 else:
                     aux = z = torch.zeros((), device=device)
                 loss_sum += torch.stack([loss.detach(), aux, z])
+            # On sharded (DTensor) grads the norm is reduced over all shards: the global norm.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            if load_LE is not None:
-                all_reduce_(load_LE)
-                if cfg.model.moe.routing.bias_update_rate > 0:
-                    _update_expert_bias(model, load_LE)
             step += 1
             bar.update(1)
 
             is_eval = t.eval_every and (step % t.eval_every == 0 or step == t.steps)
-            if step % t.log_every == 0 or step == t.steps or is_eval:
-                all_reduce_(loss_sum, "mean")
+            is_log = step % t.log_every == 0 or step == t.steps or is_eval
+            if load_LE is not None and (bias_update or is_log):
+                all_reduce_(load_LE)  # the whole data-parallel batch's expert load
+                if bias_update:
+                    _update_expert_bias(model, load_LE)
+            if is_log:
+                means = (all_reduce_(loss_sum, "mean") / t.grad_accum).tolist()  # waits for the device
                 now = time.perf_counter()
-                tokens_per_s = tokens_per_step * (step - last_step) / (now - last_time)
-                last_step, last_time = step, now
-                metrics = {"loss": loss_sum[0].item() / t.grad_accum, "aux_loss": loss_sum[1].item() / t.grad_accum,
-                           "z_loss": loss_sum[2].item() / t.grad_accum, "lr": scheduler.get_last_lr()[0],
+                metrics = {"loss": means[0], "aux_loss": means[1], "z_loss": means[2], "lr": scheduler.get_last_lr()[0],
                            "grad_norm": grad_norm.item(),
-                           **throughput(tokens_per_s, fpt, peak), **memory_metrics(device)}
+                           **speed_metrics(tokens_per_step * (step - last_step) / (now - last_time),
+                                           info.world_size, fpt, peak, device)}
                 if load_LE is not None:
                     metrics.update(expert_load(load_LE))
                 if not math.isfinite(metrics["loss"]):
@@ -179,11 +181,35 @@ def train(cfg: Config) -> list[dict]:
                 if info.is_main:
                     with metrics_file.open("a") as f:
                         f.write(json.dumps({"step": step, **metrics}) + "\n")
-            if t.save_every and (step % t.save_every == 0 or step == t.steps):
+                last_step, last_time = step, time.perf_counter()  # evaluation stays out of the throughput
+            saved = bool(t.save_every) and (step % t.save_every == 0 or step == t.steps)
+            if saved:
                 save(step)
+            if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save, leave, get requeued
+                if not saved:
+                    save(step)
+                log.warning("stopped at step %d on a preemption signal; train.resume=auto continues from here", step)
+                break
+            if saved:
+                last_step, last_time = step, time.perf_counter()
     bar.close()
     logger.close()
+    info.shutdown()
     return history
+
+
+def speed_metrics(tokens_per_s_per_gpu: float, world_size: int, fpt: float, peak: float | None,
+                  device: torch.device) -> dict[str, float]:
+    """Per GPU: tokens/s, MFU, and peak memory of the fullest GPU; for the whole job: tokens/s and
+    B tokens/day (the paper's unit)."""
+    metrics = throughput(tokens_per_s_per_gpu, fpt, peak)
+    metrics["tokens_per_s"] = tokens_per_s_per_gpu * world_size
+    metrics["btokens_per_day"] = metrics["tokens_per_s"] * 86400 / 1e9
+    mem = memory_metrics(device)
+    if mem:
+        peak_gib = all_reduce_(torch.tensor([mem["mem_peak_gib"]], device=device), "max")
+        metrics["mem_peak_gib"] = peak_gib.item()
+    return metrics
 
 
 def _update_expert_bias(model, load_LE: torch.Tensor) -> None:

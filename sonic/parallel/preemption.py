@@ -1,0 +1,51 @@
+"""Preemption: on SIGUSR1 or SIGTERM, every rank stops at the same step boundary.
+
+Slurm sends SIGUSR1 ahead of the time limit (`--signal=B:USR1@N`; scripts/slurm/train.sbatch
+forwards it through srun and torchrun) and SIGTERM on scancel, requeue or preemption. The
+handler only records the signal; `stop_requested()` takes the MAX of that flag over all
+ranks at a step boundary, so all ranks save the same step and leave together even when the
+signal reached them during different steps.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import torch
+
+from sonic.parallel.distributed import all_reduce_
+
+log = logging.getLogger("sonic")
+
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class PreemptionGuard:
+    """Context manager: installs the handlers on entry and restores the previous ones on exit."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, object] = {}
+
+    def __enter__(self) -> PreemptionGuard:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("not in the main thread: SIGUSR1/SIGTERM will not trigger a checkpoint")
+            return self
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        self.received = signal.Signals(signum)
+
+    def stop_requested(self) -> bool:
+        """True on every rank once any rank got a signal (a collective: call on all ranks)."""
+        flag = torch.tensor([0.0 if self.received is None else 1.0], device=self.device)
+        return bool(all_reduce_(flag, "max").item())
