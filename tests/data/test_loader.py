@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sonic.data import DataConfig, build_loaders, build_tokenizer
+from sonic.data.packing import doc_ids_from_eos, make_batch
 from tests.data.conftest import same_batches, take, word_docs, write_jsonl
 
 S, B = 16, 2
@@ -41,6 +42,15 @@ def test_batch_layout(word_corpus):
         eos[:, 0] = False
         assert (d == eos.long().cumsum(1)).all(), "each EOS opens the next document"
         assert (d[:, 0] == 0).all()
+
+
+def test_doc_ids_and_padding():
+    assert doc_ids_from_eos(8, np.array([0, 3, 7, 8])).tolist() == [0, 0, 0, 1, 1, 1, 1, 2]
+    window = (np.arange(9), np.array([2]))
+    batch = make_batch([window, window], 8, valid=[8, 5])
+    assert batch["labels"][0].tolist() == list(range(1, 9))
+    assert batch["labels"][1].tolist() == [1, 2, 3, 4, 5, -100, -100, -100]
+    assert batch["doc_ids"][1].tolist() == [0, 0, 1, 1, 1, 2, 2, 2], "padding is its own document"
 
 
 def test_epoch_covers_every_token_once_across_ranks(word_corpus):
