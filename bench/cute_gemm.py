@@ -36,7 +36,8 @@ def bench(fn, warmup=25, rep=100) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="7b", choices=sorted(SHAPES))
-    ap.add_argument("--tile-n", default="", help="per-kernel tile width, e.g. down=128,up=256")
+    ap.add_argument("--config", default="", help="per-kernel tile config, e.g. down=pp128,up=co256")
+    ap.add_argument("--sweep", default="", help="configs to try per kernel, e.g. up=co256/pp128,dw1=co128/pp128")
     ap.add_argument("--layer", action="store_true", help="also time the whole layer fwd/bwd")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -45,8 +46,7 @@ def main() -> None:
     from sonic.routing.plan import plan_from_topk
 
     T, D, N, E, K = SHAPES[args.shape]
-    tiles = dict(kv.split("=") for kv in args.tile_n.split(",") if kv)
-    tn = {k: int(v) for k, v in tiles.items()}
+    tn = dict(kv.split("=") for kv in args.config.split(",") if kv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     logits = torch.randn(T, E, device=dev)
@@ -62,12 +62,12 @@ def main() -> None:
 
     # first calls compile (timed separately), later calls are cached
     t0 = time.perf_counter()
-    h, a = ops.up_proj(x, w1, tok, off, tile_n=tn.get("up"))
-    y = ops.down_proj(a, w2, off, tok, tile_n=tn.get("down"))
-    dh, ap_, ds = ops.dh(dout, w2, h, s, tok, off, tile_n=tn.get("dh"))
-    dxt = ops.dx_rows(dh, w1, off, tok, tile_n=tn.get("dx"))
-    ops.dw1(dh, x, tok, off, E)
-    ops.dw2(dout, ap_, tok, off, E)
+    h, a = ops.up_proj(x, w1, tok, off, cfg=tn.get("up"))
+    y = ops.down_proj(a, w2, off, tok, cfg=tn.get("down"))
+    dh, ap_, ds = ops.dh(dout, w2, h, s, tok, off, cfg=tn.get("dh"))
+    dxt = ops.dx_rows(dh, w1, off, tok, cfg=tn.get("dx"))
+    ops.dw1(dh, x, tok, off, E, cfg=tn.get("dw1"))
+    ops.dw2(dout, ap_, tok, off, E, cfg=tn.get("dw2"))
     ops.gather_sum(y, plan.token_offsets_T1, plan.rows_by_token_R, plan.scores_R)
     ops.gather_sum(dxt, plan.token_offsets_T1, plan.rows_by_token_R)
     torch.cuda.synchronize()
@@ -93,16 +93,24 @@ def main() -> None:
         B = torch.randn(k, n, device=dev).bfloat16()
         return bench(lambda: A @ B)
 
-    row("up", bench(lambda: ops.up_proj(x, w1, tok, off, tile_n=tn.get("up"), out=(h, a))),
-        2 * R * F * D, cublas(R, F, D))
-    row("down", bench(lambda: ops.down_proj(a, w2, off, tok, tile_n=tn.get("down"), out=y)),
-        2 * R * D * N, cublas(R, D, N))
-    row("dh", bench(lambda: ops.dh(dout, w2, h, s, tok, off, tile_n=tn.get("dh"))),
-        2 * R * N * D, cublas(R, N, D))
-    row("dx", bench(lambda: ops.dx_rows(dh, w1, off, tok, tile_n=tn.get("dx"), out=dxt)),
-        2 * R * D * F, cublas(R, D, F))
-    row("dw1", bench(lambda: ops.dw1(dh, x, tok, off, E)), 2 * R * F * D, cublas(F, D, R))
-    row("dw2", bench(lambda: ops.dw2(dout, ap_, tok, off, E)), 2 * R * D * N, cublas(D, N, R))
+    calls = {  # kernel -> (launch(cfg), flops, cuBLAS (m, n, k) on the same FLOPs)
+        "up": (lambda c: ops.up_proj(x, w1, tok, off, cfg=c, out=(h, a)), 2 * R * F * D, (R, F, D)),
+        "down": (lambda c: ops.down_proj(a, w2, off, tok, cfg=c, out=y), 2 * R * D * N, (R, D, N)),
+        "dh": (lambda c: ops.dh(dout, w2, h, s, tok, off, cfg=c), 2 * R * N * D, (R, N, D)),
+        "dx": (lambda c: ops.dx_rows(dh, w1, off, tok, cfg=c, out=dxt), 2 * R * D * F, (R, D, F)),
+        "dw1": (lambda c: ops.dw1(dh, x, tok, off, E, cfg=c), 2 * R * F * D, (F, D, R)),
+        "dw2": (lambda c: ops.dw2(dout, ap_, tok, off, E, cfg=c), 2 * R * D * N, (D, N, R)),
+    }
+    sweep = {k: v.split("/") for k, v in (kv.split("=") for kv in args.sweep.split(",") if kv)}
+    chosen = {}
+    for name, (launch, flops, mnk) in calls.items():
+        cands = sweep.get(name) or [tn.get(name) or str(ops.default_config(name, D, N))]
+        times = {c: bench(lambda: launch(c)) for c in cands}
+        best = min(times, key=times.get)
+        chosen[name] = best
+        row(name, times[best], flops, cublas(*mnk))
+        rows[-1]["config"] = best
+        rows[-1]["sweep_ms"] = times
     out = torch.empty(T, D, device=dev, dtype=torch.bfloat16)
     row("gather_sum_fwd", bench(lambda: ops.gather_sum(y, plan.token_offsets_T1, plan.rows_by_token_R,
                                                        plan.scores_R, out=out)),
@@ -113,6 +121,7 @@ def main() -> None:
     layer = {}
     if args.layer:
         from sonic.kernels.cute.function import experts
+        ops.DEFAULTS.update(chosen)  # the layer runs the fastest configs found above
         xg = x.clone().requires_grad_()
         w1g, w2g = w1.clone().requires_grad_(), w2.clone().requires_grad_()
         sg = plan.scores_R.clone().requires_grad_()
@@ -141,12 +150,16 @@ def main() -> None:
     print(f"\n{args.shape} T,D,N,E,K={SHAPES[args.shape]}  R={R}  first call (compile) {first_call_s:.1f}s")
     for key, secs in ops.COMPILE_LOG:
         print(f"  compile {key}: {secs:.1f}s")
-    print(f"{'kernel':16s} {'ms':>8s} {'TF/s':>7s} {'cuBLAS ms':>10s} {'vs cuBLAS':>9s} {'paper TF':>8s}")
+    for r in rows:
+        if len(r.get("sweep_ms", {})) > 1:
+            print(f"  sweep {r['kernel']}: " + ", ".join(f"{c} {ms:.3f}ms" for c, ms in r["sweep_ms"].items()))
+    print(f"{'kernel':16s} {'ms':>8s} {'TF/s':>7s} {'cuBLAS ms':>10s} {'vs cuBLAS':>9s} {'paper TF':>8s} config")
     for r in rows:
         tf = f"{r['tflops']:.0f}" if r["tflops"] else f"{r.get('gbps', 0):.0f}GB/s"
         cb = f"{r['cublas_ms']:.3f}" if "cublas_ms" in r else "-"
         vs = f"{r['vs_cublas']:.2f}" if "vs_cublas" in r else "-"
-        print(f"{r['kernel']:16s} {r['ms']:8.3f} {tf:>7s} {cb:>10s} {vs:>9s} {str(r.get('paper_tf', '-')):>8s}")
+        print(f"{r['kernel']:16s} {r['ms']:8.3f} {tf:>7s} {cb:>10s} {vs:>9s} {str(r.get('paper_tf', '-')):>8s} "
+              f"{r.get('config', '')}")
     if layer:
         print(f"layer fwd {layer['fwd_ms']:.3f} ms ({layer['fwd_tf']:.0f} TF)  bwd {layer['bwd_ms']:.3f} ms "
               f"({layer['bwd_tf']:.0f} TF)  f+b {layer['fwd_bwd_ms']:.3f} ms ({layer['fwd_bwd_tf']:.0f} TF)")

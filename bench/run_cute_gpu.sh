@@ -10,6 +10,7 @@ mkdir -p "$OUT"
 STAGES=${STAGES:-"check test bench"}
 SHAPES=${SHAPES:-"7b"}
 BENCH_ARGS=${BENCH_ARGS:-"--layer"}
+CHECK_CONFIGS=${CHECK_CONFIGS:-"default"}  # e.g. "default up=pp128,down=pp128"
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/steps.log"; }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv | tee "$OUT/gpu.txt"
@@ -18,13 +19,16 @@ print('torch', torch.__version__, 'cutlass-dsl', cutlass.__version__, 'reason:',
   2>&1 | tee -a "$OUT/steps.log" || exit 2
 
 if [[ " $STAGES " == *" check "* ]]; then
-  log "selfcheck"
-  timeout 240 python -m sonic.kernels.cute.selfcheck --hang-s 20 \
-      --shape 300,384,192,8,2 --shape 517,512,256,6,3 --routing uniform --routing skewed --routing empty \
-      2>&1 | tee "$OUT/selfcheck.log"
-  rc=$?
-  log "selfcheck rc=$rc"
-  [[ $rc == 3 || $rc == 124 ]] && { log "hang: stopping"; exit 3; }
+  for cfg in $CHECK_CONFIGS; do
+    [[ $cfg == default ]] && cfg=""
+    log "selfcheck config=$cfg"
+    timeout 240 python -m sonic.kernels.cute.selfcheck --hang-s 20 --config "$cfg" \
+        --shape 300,384,192,8,2 --shape 517,512,256,6,3 --routing uniform --routing skewed --routing empty \
+        2>&1 | tee -a "$OUT/selfcheck.log" | grep -v "^ok"
+    rc=$?
+    log "selfcheck rc=$rc"
+    [[ $rc == 3 || $rc == 124 ]] && { log "hang: stopping"; exit 3; }
+  done
 fi
 if [[ " $STAGES " == *" test "* ]]; then
   log "pytest"

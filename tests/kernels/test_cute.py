@@ -121,8 +121,7 @@ def test_dh_dx_dw(shape, routing):
     dout = torch.randn(T, D, device="cuda", generator=g).bfloat16()
     h = torch.randn(R, 2 * N, device="cuda", generator=g).bfloat16()
     s = plan.scores_R.float()
-    tile_n = ops.default_tile_n("dh", D, N)
-    n_tiles = -(-N // tile_n)
+    n_tiles = -(-N // ops.dh_tile_n(D, N))
     dh, ap, ds = ops.dh(dout, w2, h, s, plan.token_idx_R, plan.expert_offsets_E1,
                         out=(poisoned(R, 2 * N), poisoned(R, N),
                              poisoned(n_tiles, R, dtype=torch.float32)))

@@ -1,14 +1,15 @@
 """Epilogues of the grouped GEMM: what happens to the fp32 accumulator of one tile.
 
-Each consumer thread holds the wgmma fragment ((2, 2, tile_n/8), 1, 1): register
-i = v0 + 2*v1 + 4*nb sits at tile row r0 + 8*v1 and column c0 + v0 + 8*nb, with (r0, c0) the
-thread's first coordinate. Registers 2j and 2j+1 are therefore adjacent columns of one
+Each consumer thread holds the wgmma fragment ((2, 2, tile_n/8), MMA_M, 1): register
+i = v0 + 2*v1 + 4*nb + (tile_n/2)*mm sits at tile row r0 + 8*v1 + 64*mm and column
+c0 + v0 + 8*nb, with (r0, c0) the thread's first coordinate (MMA_M = 2 when one ping-pong
+warpgroup owns all 128 rows). Registers 2j and 2j+1 are therefore adjacent columns of one
 row, which is what makes the interleaved gate/up SwiGLU layout thread-local.
 
 An epilogue walks the tile in sub-tiles of `epi_n` columns: it writes bf16 results into a
 padded shared-memory staging tile (conflict-free 32-bit stores), waits on the consumer
-named barrier, then all 256 consumer threads copy the staging tile out with 16-byte stores
-predicated on the expert's last row. Two staging buffers alternate, so one barrier per
+named barrier, then the epilogue's threads (one or both consumer warpgroups) copy the
+staging tile out with 16-byte stores predicated on the expert's last row. Two staging buffers alternate, so one barrier per
 sub-tile suffices.
 """
 from __future__ import annotations
@@ -19,7 +20,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 
-from sonic.kernels.cute.gemm import CONSUMER_THREADS
 
 LOG2E = math.log2(math.e)
 PAD = 8  # elements of row padding in the staging tiles (16 bytes)
@@ -41,8 +41,8 @@ def _copy_out(ctx, sT: cute.Tensor, gT: cute.Tensor, rows_valid: Int32, cols_val
     rows, cols = cute.size(sT, mode=[0]), cute.size(sT, mode=[1])
     chunks_per_row = cols // 8
     total = rows * chunks_per_row
-    for q in cutlass.range_constexpr((total + CONSUMER_THREADS - 1) // CONSUMER_THREADS):
-        c = ctx.ctid + q * CONSUMER_THREADS
+    for q in cutlass.range_constexpr((total + ctx.nthreads - 1) // ctx.nthreads):
+        c = ctx.tid + q * ctx.nthreads
         r = c // chunks_per_row
         cc = c - r * chunks_per_row
         if c < total and r < rows_valid and cc * 8 < cols_valid:
@@ -80,8 +80,6 @@ class StoreEpilogue:
         spec = ctx.spec
         bm, bn, en = spec.tile_m, spec.tile_n, spec.epi_n
         mC = ctx.args[0]
-        r0 = ctx.tCcC[0][0]
-        c0 = ctx.tCcC[0][1]
         col0 = ctx.nt * bn
         if const_expr(spec.varlen == "m"):
             gC = cute.domain_offset((ctx.start, col0), mC)
@@ -94,13 +92,9 @@ class StoreEpilogue:
         buf_elems = _staging_elems(bm, en)
         for j in cutlass.range_constexpr(bn // en):
             sC = _staging(ctx.sEpi, (j % 2) * buf_elems, bm, en)
-            for nb in cutlass.range_constexpr(en // 8):
-                for v1 in cutlass.range_constexpr(2):
-                    i = 4 * (j * (en // 8) + nb) + 2 * v1
-                    r = r0 + 8 * v1
-                    c = c0 + 8 * nb
-                    sC[r, c] = ctx.acc[i].to(BFloat16)
-                    sC[r, c + 1] = ctx.acc[i + 1].to(BFloat16)
+            for i, r, c in ctx.pairs(j):
+                sC[r, c] = ctx.acc[i].to(BFloat16)
+                sC[r, c + 1] = ctx.acc[i + 1].to(BFloat16)
             ctx.barrier.arrive_and_wait()
             _copy_out(ctx, sC, cute.domain_offset((0, j * en), gC), rows_valid, cols_valid - j * en)
 
@@ -120,8 +114,6 @@ class SwiGLUEpilogue:
         spec = ctx.spec
         bm, bn, en = spec.tile_m, spec.tile_n, spec.epi_n
         mH, mAct = ctx.args[0], ctx.args[1]
-        r0 = ctx.tCcC[0][0]
-        c0 = ctx.tCcC[0][1]
         col0 = ctx.nt * bn
         gH = cute.domain_offset((ctx.start, col0), mH)
         gA = cute.domain_offset((ctx.start, col0 // 2), mAct)
@@ -131,17 +123,13 @@ class SwiGLUEpilogue:
             base = (j % 2) * (h_elems + a_elems)
             sH = _staging(ctx.sEpi, base, bm, en)
             sA = _staging(ctx.sEpi, base + h_elems, bm, en // 2)
-            for nb in cutlass.range_constexpr(en // 8):
-                for v1 in cutlass.range_constexpr(2):
-                    i = 4 * (j * (en // 8) + nb) + 2 * v1
-                    r = r0 + 8 * v1
-                    c = c0 + 8 * nb
-                    gate = ctx.acc[i].to(BFloat16)
-                    up = ctx.acc[i + 1].to(BFloat16)
-                    sH[r, c] = gate
-                    sH[r, c + 1] = up
-                    g = gate.to(Float32)
-                    sA[r, c // 2] = (g * _sigmoid(g) * up.to(Float32)).to(BFloat16)
+            for i, r, c in ctx.pairs(j):
+                gate = ctx.acc[i].to(BFloat16)
+                up = ctx.acc[i + 1].to(BFloat16)
+                sH[r, c] = gate
+                sH[r, c + 1] = up
+                g = gate.to(Float32)
+                sA[r, c // 2] = (g * _sigmoid(g) * up.to(Float32)).to(BFloat16)
             ctx.barrier.arrive_and_wait()
             _copy_out(ctx, sH, cute.domain_offset((0, j * en), gH), ctx.length, mH.shape[1] - col0 - j * en)
             _copy_out(ctx, sA, cute.domain_offset((0, j * en // 2), gA), ctx.length,
@@ -168,46 +156,44 @@ class DSwiGLUEpilogue:
         spec = ctx.spec
         bm, bn, en = spec.tile_m, spec.tile_n, spec.epi_n
         mH, mS, mDH, mAp, mDS = ctx.args
-        r0 = ctx.tCcC[0][0]
-        c0 = ctx.tCcC[0][1]
         col0 = ctx.nt * bn
         gH = cute.domain_offset((ctx.start, 2 * col0), mH)
         gDH = cute.domain_offset((ctx.start, 2 * col0), mDH)
         gAp = cute.domain_offset((ctx.start, col0), mAp)
         last = ctx.length - 1
-        score = cute.make_rmem_tensor((2,), Float32)
-        ds = cute.make_rmem_tensor((2,), Float32)
-        for v1 in cutlass.range_constexpr(2):
-            score[v1] = mS[ctx.start + cutlass.min(r0 + 8 * v1, last)]
-            ds[v1] = Float32(0.0)
+        # a thread's rows: slot 2*mm + v1 holds the row of registers (v1, mm)
+        slots = 2 * cute.size(ctx.acc, mode=[1])
+        rows = [ctx.tCcC[2 * (q % 2) + (bn // 2) * (q // 2)][0] for q in range(slots)]
+        score = cute.make_rmem_tensor((slots,), Float32)
+        ds = cute.make_rmem_tensor((slots,), Float32)
+        for q in cutlass.range_constexpr(slots):
+            score[q] = mS[ctx.start + cutlass.min(rows[q], last)]
+            ds[q] = Float32(0.0)
         dh_elems = _staging_elems(bm, 2 * en)
         ap_elems = _staging_elems(bm, en)
         for j in cutlass.range_constexpr(bn // en):
             base = (j % 2) * (dh_elems + ap_elems)
             sDH = _staging(ctx.sEpi, base, bm, 2 * en)
             sAp = _staging(ctx.sEpi, base + dh_elems, bm, en)
-            for nb in cutlass.range_constexpr(en // 8):
-                for v1 in cutlass.range_constexpr(2):
-                    i = 4 * (j * (en // 8) + nb) + 2 * v1
-                    r = r0 + 8 * v1
-                    c = c0 + 8 * nb  # local column in the sub-tile (even)
-                    # clamp to a valid row / column group: those values only feed masked stores
-                    hcol = cutlass.min(2 * (col0 + j * en + c), mH.shape[1] - 4) - 2 * col0
-                    hrow = _aligned(cute.local_tile(gH[cutlass.min(r, last), None], (4,), (hcol // 4,)), 8)
-                    h = cute.make_rmem_tensor((4,), BFloat16)
-                    cute.autovec_copy(hrow, h)
-                    for k in cutlass.range_constexpr(2):
-                        gate = h[2 * k].to(Float32)
-                        up = h[2 * k + 1].to(Float32)
-                        sig = _sigmoid(gate)
-                        silu = gate * sig
-                        a = silu * up
-                        da_prime = ctx.acc[i + k]
-                        ds[v1] += da_prime * a
-                        da = score[v1] * da_prime
-                        sDH[r, 2 * (c + k)] = (da * up * (sig + silu * (1.0 - sig))).to(BFloat16)
-                        sDH[r, 2 * (c + k) + 1] = (da * silu).to(BFloat16)
-                        sAp[r, c + k] = (score[v1] * a).to(BFloat16)
+            for i, r, c in ctx.pairs(j):
+                q = 2 * (i // (bn // 2)) + (i // 2) % 2
+                # clamp to a valid row / column group: those values only feed masked stores
+                hcol = cutlass.min(2 * (col0 + j * en + c), mH.shape[1] - 4) - 2 * col0
+                hrow = _aligned(cute.local_tile(gH[cutlass.min(r, last), None], (4,), (hcol // 4,)), 8)
+                h = cute.make_rmem_tensor((4,), BFloat16)
+                cute.autovec_copy(hrow, h)
+                for k in cutlass.range_constexpr(2):
+                    gate = h[2 * k].to(Float32)
+                    up = h[2 * k + 1].to(Float32)
+                    sig = _sigmoid(gate)
+                    silu = gate * sig
+                    a = silu * up
+                    da_prime = ctx.acc[i + k]
+                    ds[q] += da_prime * a
+                    da = score[q] * da_prime
+                    sDH[r, 2 * (c + k)] = (da * up * (sig + silu * (1.0 - sig))).to(BFloat16)
+                    sDH[r, 2 * (c + k) + 1] = (da * silu).to(BFloat16)
+                    sAp[r, c + k] = (score[q] * a).to(BFloat16)
             ctx.barrier.arrive_and_wait()
             _copy_out(ctx, sDH, cute.domain_offset((0, 2 * j * en), gDH), ctx.length,
                       mDH.shape[1] - 2 * (col0 + j * en))
@@ -215,10 +201,9 @@ class DSwiGLUEpilogue:
                       mAp.shape[1] - col0 - j * en)
         # the four lanes of a quad share a row: reduce, then one lane writes the partial
         lane = cute.arch.lane_idx()
-        for v1 in cutlass.range_constexpr(2):
-            v = ds[v1]
+        for q in cutlass.range_constexpr(slots):
+            v = ds[q]
             v += cute.arch.shuffle_sync_bfly(v, 1)
             v += cute.arch.shuffle_sync_bfly(v, 2)
-            r = r0 + 8 * v1
-            if lane % 4 == 0 and r < ctx.length:
-                mDS[ctx.nt, ctx.start + r] = v
+            if lane % 4 == 0 and rows[q] < ctx.length:
+                mDS[ctx.nt, ctx.start + rows[q]] = v

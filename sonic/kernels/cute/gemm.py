@@ -54,6 +54,7 @@ class GemmSpec:
     tile_m: int = 128
     tile_k: int = 64
     epi_n: int = 32  # epilogue sub-tile width (columns of the accumulator)
+    pingpong: bool = False  # consumers take alternate tiles; one's epilogue hides under the other's MMAs
     num_sms: int = 132
 
     def __post_init__(self):
@@ -62,6 +63,13 @@ class GemmSpec:
         assert not (self.varlen == "m" and self.gather == "b")
         assert self.tile_m == 128 and self.tile_k == 64
         assert self.tile_n % self.epi_n == 0 and (self.tile_n // self.epi_n) % 2 == 0
+        # a ping-pong consumer holds a whole tile: 128 x tile_n fp32 over 128 threads
+        assert not self.pingpong or self.tile_n <= 128
+
+    @property
+    def epi_threads(self) -> int:
+        """Threads that run one tile's epilogue: one warpgroup (ping-pong) or both."""
+        return 128 if self.pingpong else CONSUMER_THREADS
 
 
 @dataclass(frozen=True)
@@ -100,8 +108,12 @@ class GroupedGemm:
         self.epi = epilogue
         self.bm, self.bn, self.bk = spec.tile_m, spec.tile_n, spec.tile_k
         self.num_gather_threads = 128 if spec.gather else 0
-        self.regs_producer, self.regs_consumer = (56, 224) if spec.gather else (40, 232)
-        self.epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMER_THREADS)
+        self.regs_producer, self.regs_consumer = (40, 232)
+        if spec.gather:  # index registers: 8 rows (varlen-M) or 2 x 8-16 k-rows (varlen-K)
+            self.regs_producer, self.regs_consumer = (72, 216) if spec.varlen == "k" else (56, 224)
+        # named barriers: 1, 2 = epilogue of consumer 0 / 1 (cooperative: 1 for both);
+        # 3, 4 = ping-pong turn of consumer 0 / 1 (one warpgroup arrives, the other waits)
+        self.epi_copies = 2 if spec.pingpong else 1  # each ping-pong consumer stages its own tiles
 
     # ------------------------------------------------------------------ host-side setup
     def _stages(self, epi_bytes: int) -> int:
@@ -123,9 +135,9 @@ class GroupedGemm:
         tile_mnk = (self.bm, self.bn, self.bk)
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype, self.b_dtype, self.a_layout.sm90_mma_major_mode(),
-            self.b_layout.sm90_mma_major_mode(), cutlass.Float32, (2, 1, 1),
-            tiler_mn=(64, self.bn))
-        epi_elems = self.epi.smem_elems(self.spec)
+            self.b_layout.sm90_mma_major_mode(), cutlass.Float32,
+            (1, 1, 1) if const_expr(self.spec.pingpong) else (2, 1, 1), tiler_mn=(64, self.bn))
+        epi_elems = self.epi.smem_elems(self.spec) * self.epi_copies
         self.stages = self._stages(epi_elems * 2)
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, tile_mnk, self.a_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, tile_mnk, self.b_dtype, self.stages)
@@ -189,11 +201,12 @@ class GroupedGemm:
         ab_pipe = pipe_cls.create(
             barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_arrivals),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32),
+            # one arrive per consumer warp that reads a stage: 4 (ping-pong) or 8 (cooperative)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.spec.epi_threads // 32),
             tx_count=self.tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
-        sEpi = storage.sEpi.get_tensor(cute.make_layout(self.epi.smem_elems(self.spec)))
+        sEpi = storage.sEpi.get_tensor(cute.make_layout(self.epi.smem_elems(self.spec) * self.epi_copies))
         sTile = storage.tile_start.get_tensor(cute.make_layout(E + 1))
         sRow = storage.row_start.get_tensor(cute.make_layout(E + 1))
         if const_expr(self.spec.varlen == "m"):
@@ -322,37 +335,62 @@ class GroupedGemm:
                     gB = cute.local_tile(cute.domain_offset((0, start), mB_tma), (self.bn, self.bk), (nt, None))
                 tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
                                                    cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
-            gather_fn = None
+            gather_fn, prefetch_fn = None, None
             if const_expr(self.spec.gather == "a"):
                 if const_expr(self.spec.varlen == "m"):
                     gather_fn = self._gather_rows_fn(mA, sA, mIdx, start, length, gtid)
                 else:
-                    gather_fn = self._gather_k_fn(mA, sA, mIdx, start, length, mt * self.bm, gtid)
+                    prefetch_fn, gather_fn = self._gather_k_fn(mA, sA, mIdx, start, length, mt * self.bm, gtid)
             if const_expr(self.spec.gather == "b"):
-                gather_fn = self._gather_k_fn(mB, sB, mIdx, start, length, nt * self.bn, gtid)
+                prefetch_fn, gather_fn = self._gather_k_fn(mB, sB, mIdx, start, length, nt * self.bn, gtid)
 
-            for kt in cutlass.range(k_tiles, unroll=1):
-                if const_expr(self.spec.gather is None):
-                    ab_pipe.producer_acquire(state)
-                    bar = ab_pipe.producer_get_barrier(state)
-                    cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                    ab_pipe.producer_commit(state)
-                else:
-                    ab_pipe.producer_acquire_split(state, is_tma_warp)
-                    if is_tma_warp:
-                        bar = ab_pipe.producer_get_barrier(state)
-                        if const_expr(self.spec.gather == "a"):
-                            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
-                        else:
-                            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                    gather_fn(kt, state.index)
-                    ab_pipe.producer_cpasync_arrive(state)
-                state.advance()
+            ops_ = (tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, gather_fn, is_tma_warp)
+            if const_expr(prefetch_fn is None):
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    self._load_stage(ab_pipe, state, kt, None, *ops_)
+                    state.advance()
+            else:
+                # varlen-K gathers need a token index per k-row: keep the index loads two
+                # k-tiles ahead of the cp.asyncs that use them, so their latency is hidden
+                idx0, idx1 = prefetch_fn.alloc(), prefetch_fn.alloc()
+                prefetch_fn(0, idx0)
+                prefetch_fn(1, idx1)
+                for kt2 in cutlass.range(0, k_tiles, 2, unroll=1):
+                    self._load_stage(ab_pipe, state, kt2, idx0, *ops_)
+                    state.advance()
+                    prefetch_fn(kt2 + 2, idx0)
+                    if kt2 + 1 < k_tiles:
+                        self._load_stage(ab_pipe, state, kt2 + 1, idx1, *ops_)
+                        state.advance()
+                        prefetch_fn(kt2 + 3, idx1)
             t += grid
         ab_pipe.producer_tail(state)
 
-    def _gather_copy(self, dtype, k_major: bool):
+    @cute.jit
+    def _load_stage(self, ab_pipe, state, kt, idx, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, gather_fn,
+                    is_tma_warp):
+        """Fill ring stage `state` with k-tile kt (idx: prefetched token rows for varlen-K)."""
+        if const_expr(self.spec.gather is None):
+            ab_pipe.producer_acquire(state)
+            bar = ab_pipe.producer_get_barrier(state)
+            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+            ab_pipe.producer_commit(state)
+        else:
+            ab_pipe.producer_acquire_split(state, is_tma_warp)
+            if is_tma_warp:
+                bar = ab_pipe.producer_get_barrier(state)
+                if const_expr(self.spec.gather == "a"):
+                    cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                else:
+                    cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            if const_expr(idx is None):
+                gather_fn(kt, state.index)
+            else:
+                gather_fn(idx, state.index)
+            ab_pipe.producer_cpasync_arrive(state)
+
+    def _gather_copy(self, dtype, k_major: bool, mn_extent: int = 128):
         """128 producer threads, 16-byte cp.async, laid out along the contiguous dimension."""
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
                                    num_bits_per_copy=128)
@@ -361,7 +399,7 @@ class GroupedGemm:
             thr = cute.make_layout((128 // per_row, per_row), stride=(per_row, 1))
             val = cute.make_layout((1, 8))
         else:
-            per_col = self.bm // 8  # threads along M/N (tile_m == tile_n for gathered k)
+            per_col = mn_extent // 8  # threads along the gathered operand's M or N
             thr = cute.make_layout((per_col, 128 // per_col), stride=(1, per_col))
             val = cute.make_layout((8, 1))
         return cute.make_tiled_copy_tv(atom, thr, val)
@@ -405,58 +443,103 @@ class GroupedGemm:
     @cute.jit
     def _gather_k_fn(self, mX: cute.Tensor, sX: cute.Tensor, mIdx: cute.Tensor, start: Int32,
                      length: Int32, mn0: Int32, gtid: Int32):
-        """Varlen-K gathered operand (MN-major): smem k-row j <- X[idx[start + kt*bk + j], mn0:+bm].
+        """Varlen-K gathered operand (MN-major): smem k-row j <- X[idx[start + kt*bk + j], mn0:+tile].
 
-        X is viewed (MN, T): k-rows past the expert's end are zero-filled so that the
-        contiguous operand's next-expert rows contribute nothing."""
-        tiled = self._gather_copy(mX.element_type, False)
+        X is viewed (MN, T). Returns (prefetch, copy): prefetch(kt, regs) loads the token of
+        each of this thread's k-rows (-1 past the expert's end); copy(regs, stage) issues the
+        cp.asyncs, zero-filling the -1 rows so the contiguous operand's next-expert rows
+        contribute nothing."""
+        ext = self.bm if const_expr(self.spec.gather == "a") else self.bn
+        tiled = self._gather_copy(mX.element_type, False, ext)
         thr = tiled.get_slice(gtid)
         tXsX = thr.partition_D(sX)  # (CPY, CPY_MN, CPY_K, STAGE)
-        cX = cute.make_identity_tensor((self.bm, self.bk))
+        cX = cute.make_identity_tensor((ext, self.bk))
         tXcX = thr.partition_S(cX)
         kk = cute.size(tXcX, mode=[2])
         mn = mn0 + tXcX[0, 0, 0][0]
         mn_ok = mn < mX.shape[0]
+        mn_chunk = cutlass.min(mn, mX.shape[0] - 8) // 8
 
-        def copy_fn(kt, stage):
+        class Prefetch:
+            def alloc(self):
+                return cute.make_rmem_tensor((kk,), Int32)
+
+            def __call__(self, kt, regs):
+                for j in cutlass.range_constexpr(kk):
+                    krow = kt * self_.bk + tXcX[0, 0, j][1]
+                    tok = Int32(-1)
+                    if krow < length and mn_ok:
+                        tok = mIdx[start + krow]
+                    regs[j] = tok
+
+        self_ = self
+
+        def copy_fn(regs, stage):
             for j in cutlass.range_constexpr(kk):
-                krow = kt * self.bk + tXcX[0, 0, j][1]
-                valid = krow < length and mn_ok
-                tok = Int32(0)
-                if valid:
-                    tok = mIdx[start + krow]
-                col = mX[None, tok]
-                src = cute.local_tile(col, (8,), (cutlass.min(mn, mX.shape[0] - 8) // 8,))
+                tok = regs[j]
+                src = cute.local_tile(mX[None, cutlass.max(tok, 0)], (8,), (mn_chunk,))
                 dst = tXsX[None, 0, j, stage]
                 pred = cute.make_rmem_tensor(dst.shape, Boolean)
-                pred.fill(valid)
+                pred.fill(tok >= 0)
                 cute.copy(tiled, src, dst, pred=pred)
 
-        return copy_fn
+        return Prefetch(), copy_fn
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
+    def _k_tiles(self, t, n_tiles_n, sTile, sRow, mOffsets, m_tiles, k_tiles_static):
+        if const_expr(self.spec.varlen == "m"):
+            return k_tiles_static
+        else:
+            _, _, _, _, length = self._decode(t, n_tiles_n, sTile, sRow, mOffsets, m_tiles)
+            return (length + self.bk - 1) // self.bk
+
+    @cute.jit
     def _consumer(self, ab_pipe, tiled_mma, sA, sB, sEpi, sTile, sRow, mOffsets, mA, mB, epi_args,
                   bid, grid, total, n_tiles_n, ctid, cwg):
-        thr_wg = tiled_mma.get_slice(cwg * 128)
-        tCsA = thr_wg.partition_A(sA)
-        tCsB = thr_wg.partition_B(sB)
+        """Cooperative: both warpgroups share each tile (64 rows each).
+        Ping-pong: warpgroup w takes this CTA's tiles w, w+2, ...; the turn barriers let only
+        one warpgroup issue wgmma at a time, in tile order, while the other runs its epilogue.
+        A warpgroup skips the ring stages of the other's tiles (same order as the producer)."""
+        pp = const_expr(self.spec.pingpong)
+        etid = ctid - 128 * cwg if pp else ctid  # thread index within the epilogue group
+        thr_ab = tiled_mma.get_slice(0 if pp else cwg * 128)
+        tCsA = thr_ab.partition_A(sA)
+        tCsB = thr_ab.partition_B(sB)
         tCrA = tiled_mma.make_fragment_A(tCsA)
         tCrB = tiled_mma.make_fragment_B(tCsB)
         cC = cute.make_identity_tensor((self.bm, self.bn))
-        tCcC = tiled_mma.get_slice(ctid).partition_C(cC)
+        tCcC = tiled_mma.get_slice(etid).partition_C(cC)
         acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
         num_k_blocks = cute.size(tCrA, mode=[2])
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         m_tiles = cute.ceil_div(mA.shape[0], self.bm)
         k_tiles_static = cute.ceil_div(mA.shape[1], self.bk)
+        epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMER_THREADS)
+        my_turn, their_turn = None, None
+        sEpiMine = sEpi
         t = bid
+        step = grid
+        if const_expr(pp):
+            step = 2 * grid
+            epi_elems = self.epi.smem_elems(self.spec)
+            sEpiMine = cute.make_tensor(sEpi.iterator + cwg * epi_elems, cute.make_layout(epi_elems))
+            epi_barrier = pipeline.NamedBarrier(barrier_id=1 + cwg, num_threads=128)
+            my_turn = pipeline.NamedBarrier(barrier_id=3 + cwg, num_threads=CONSUMER_THREADS)
+            their_turn = pipeline.NamedBarrier(barrier_id=4 - cwg, num_threads=CONSUMER_THREADS)
+            t = bid + cwg * grid
+            if cwg == 1 and bid < total:  # the stages of consumer 0's first tile
+                self._skip(read, release, self._k_tiles(bid, n_tiles_n, sTile, sRow, mOffsets, m_tiles,
+                                                        k_tiles_static))
         while t < total:
             expert, mt, nt, start, length = self._decode(t, n_tiles_n, sTile, sRow, mOffsets, m_tiles)
             k_tiles = k_tiles_static
             if const_expr(self.spec.varlen == "k"):
                 k_tiles = (length + self.bk - 1) // self.bk
+            if const_expr(pp):
+                if cwg == 1 or t != bid:
+                    my_turn.arrive_and_wait()  # the other's mainloop is done
             acc.fill(0.0)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             # keep one wgmma batch in flight: release stage k-1 after issuing stage k
@@ -472,21 +555,48 @@ class GroupedGemm:
                     ab_pipe.consumer_release(release)
                     release.advance()
                 read.advance()
+            if const_expr(pp):
+                if t + grid < total:
+                    their_turn.arrive()  # the other's turn to issue wgmma
             warpgroup.wait_group(0)
             if k_tiles > 0:
                 ab_pipe.consumer_release(release)
                 release.advance()
-            ctx = EpilogueContext(self, acc, tCcC, sEpi, epi_args, expert, mt, nt, start, length, ctid)
+            if const_expr(pp):
+                if t + grid < total:  # skip the stages of the other consumer's next tile
+                    self._skip(read, release, self._k_tiles(t + grid, n_tiles_n, sTile, sRow, mOffsets,
+                                                            m_tiles, k_tiles_static))
+            ctx = EpilogueContext(self, acc, tCcC, sEpiMine, epi_args, expert, mt, nt, start, length,
+                                  etid, epi_barrier)
             self.epi.apply(ctx)
-            t += grid
+            t += step
+
+    @cute.jit
+    def _skip(self, read, release, n):
+        for _ in cutlass.range(n, unroll=1):
+            read.advance()
+            release.advance()
 
 
 class EpilogueContext:
-    """What an epilogue sees: the fp32 accumulator fragment and where this tile lives."""
+    """What an epilogue sees: the fp32 accumulator fragment and where this tile lives.
 
-    def __init__(self, gemm, acc, tCcC, sEpi, args, expert, mt, nt, start, length, ctid):
+    `pairs(j)` lists, for epilogue sub-tile j, every register pair (i, i+1) of the fragment
+    as (i, row, column-within-the-sub-tile); the two registers are adjacent columns."""
+
+    def __init__(self, gemm, acc, tCcC, sEpi, args, expert, mt, nt, start, length, tid, barrier):
         self.gemm, self.spec = gemm, gemm.spec
         self.acc, self.tCcC, self.sEpi, self.args = acc, tCcC, sEpi, args
         self.expert, self.mt, self.nt, self.start, self.length = expert, mt, nt, start, length
-        self.ctid = ctid
-        self.barrier = gemm.epi_barrier
+        self.tid = tid
+        self.nthreads = gemm.spec.epi_threads
+        self.barrier = barrier
+
+    def pairs(self, j: int):
+        bn, en = self.spec.tile_n, self.spec.epi_n
+        for mm in range(cute.size(self.acc, mode=[1])):
+            for nb in range(en // 8):
+                for v1 in range(2):
+                    i = 2 * v1 + 4 * (j * (en // 8) + nb) + (bn // 2) * mm
+                    row, col = self.tCcC[i]
+                    yield i, row, col - j * en

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 import threading
 import time
 
@@ -51,10 +52,30 @@ def _options() -> str:
     return opts
 
 
+@dataclass(frozen=True)
+class Config:
+    """Tile configuration of one kernel: output-tile width and consumer schedule.
+
+    "co256": cooperative, 128x256 tile split over both consumer warpgroups.
+    "pp128": ping-pong, each warpgroup owns alternate 128x128 tiles."""
+    tile_n: int
+    pingpong: bool
+
+    @staticmethod
+    def parse(text: str) -> "Config":
+        if text[:2] not in ("co", "pp") or not text[2:].isdigit():
+            raise ValueError(f"tile config {text!r}: expected co<tile_n> or pp<tile_n>, e.g. pp128")
+        return Config(int(text[2:]), text[:2] == "pp")
+
+    def __str__(self) -> str:
+        return f"{'pp' if self.pingpong else 'co'}{self.tile_n}"
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, tile_n: int, sms: int):
-    """Compile one kernel of the shape class (kind, dtype, D, N, E, tile); T and R stay symbolic."""
+def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config, sms: int):
+    """Compile one kernel of the shape class (kind, dtype, D, N, E, config); T and R stay symbolic."""
     dt = _DTYPES[dtype]
+    tile_n, pp = cfg.tile_n, cfg.pingpong
     F = 2 * N
     T, R = _sym(), _sym()
     i32 = cutlass.Int32
@@ -62,19 +83,19 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, tile_n: int
     offsets = _fake(i32, (E + 1,), (1,))
     idx = _fake(i32, (R,), (1,))
     if kind == "up":  # H, A = SwiGLU(X[idx] W1^T)
-        spec = GemmSpec("m", "a", E, tile_n=tile_n, num_sms=sms)
+        spec = GemmSpec("m", "a", E, tile_n=tile_n, pingpong=pp, num_sms=sms)
         epi = SwiGLUEpilogue()
         a = _fake(dt, (T, D), (D, 1))
         b = _fake(dt, (F, D, E), (D, 1, F * D))
         args = (_fake(dt, (R, F), (F, 1)), _fake(dt, (R, N), (N, 1)))
     elif kind == "down":  # Y = A W2^T
-        spec = GemmSpec("m", None, E, tile_n=tile_n, num_sms=sms)
+        spec = GemmSpec("m", None, E, tile_n=tile_n, pingpong=pp, num_sms=sms)
         epi = StoreEpilogue()
         a = _fake(dt, (R, N), (N, 1))
         b = _fake(dt, (D, N, E), (N, 1, D * N))
         args = (_fake(dt, (R, D), (D, 1)),)
     elif kind == "dh":  # dA' = dO[idx] W2, fused dSwiGLU
-        spec = GemmSpec("m", "a", E, tile_n=tile_n, epi_n=16, num_sms=sms)
+        spec = GemmSpec("m", "a", E, tile_n=tile_n, epi_n=16, pingpong=pp, num_sms=sms)
         epi = DSwiGLUEpilogue()
         a = _fake(dt, (T, D), (D, 1))
         b = _fake(dt, (N, D, E), (1, N, D * N))
@@ -82,19 +103,19 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, tile_n: int
         args = (_fake(dt, (R, F), (F, 1)), _fake(f32, (R,), (1,)), _fake(dt, (R, F), (F, 1)),
                 _fake(dt, (R, N), (N, 1)), _fake(f32, (n_tiles, R), (R, 1)))
     elif kind == "dx":  # dX~ = dH W1
-        spec = GemmSpec("m", None, E, tile_n=tile_n, num_sms=sms)
+        spec = GemmSpec("m", None, E, tile_n=tile_n, pingpong=pp, num_sms=sms)
         epi = StoreEpilogue()
         a = _fake(dt, (R, F), (F, 1))
         b = _fake(dt, (D, F, E), (1, D, F * D))
         args = (_fake(dt, (R, D), (D, 1)),)
     elif kind == "dw1":  # dW1_e = dH_e^T X[idx_e]   (M = F, N = D, K = rows of e)
-        spec = GemmSpec("k", "b", E, tile_n=128, num_sms=sms)
+        spec = GemmSpec("k", "b", E, tile_n=tile_n, pingpong=pp, num_sms=sms)
         epi = StoreEpilogue()
         a = _fake(dt, (F, R), (1, F))
         b = _fake(dt, (D, T), (1, D))
         args = (_fake(dt, (F, D, E), (D, 1, F * D)),)
     elif kind == "dw2":  # dW2_e = dO[idx_e]^T A'_e   (M = D, N = N, K = rows of e)
-        spec = GemmSpec("k", "a", E, tile_n=128, num_sms=sms)
+        spec = GemmSpec("k", "a", E, tile_n=tile_n, pingpong=pp, num_sms=sms)
         epi = StoreEpilogue()
         a = _fake(dt, (D, T), (1, D))
         b = _fake(dt, (N, R), (1, N))
@@ -105,61 +126,69 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, tile_n: int
     t0 = time.perf_counter()
     fn = cute.compile(gemm, a, b, offsets, idx, args, make_fake_stream(use_tvm_ffi_env_stream=True),
                       options=_options())
-    COMPILE_LOG.append((f"{kind}/{dtype}/D{D}/N{N}/E{E}/tn{tile_n}", time.perf_counter() - t0))
+    COMPILE_LOG.append((f"{kind}/{dtype}/D{D}/N{N}/E{E}/{cfg}", time.perf_counter() - t0))
     return fn
 
 
-def compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, tile_n: int | None = None):
+def compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config | str | None = None):
     if dtype not in _DTYPES:
         raise ValueError(f"the cute backend supports bf16/fp16 activations, got {dtype}")
-    if tile_n is None:
-        tile_n = default_tile_n(kind, D, N)
+    cfg = default_config(kind, D, N) if cfg is None else cfg
+    cfg = Config.parse(cfg) if isinstance(cfg, str) else cfg
     with _LOCK:
-        return _compiled(kind, dtype, D, N, E, tile_n, num_sms() if torch.cuda.is_available() else 132)
+        return _compiled(kind, dtype, D, N, E, cfg, num_sms() if torch.cuda.is_available() else 132)
 
 
-def default_tile_n(kind: str, D: int, N: int) -> int:
-    """Output-tile width per kernel: the widest of 256/128 that divides the GEMM's N."""
-    n_out = {"up": 2 * N, "down": D, "dh": N, "dx": D}.get(kind, 128)
-    if kind in ("dw1", "dw2"):
-        return 128
-    return 256 if n_out % 256 == 0 else 128
+DEFAULTS = {"up": "co256", "down": "co256", "dh": "co256", "dx": "co256", "dw1": "co128", "dw2": "co128"}
+
+
+def default_config(kind: str, D: int, N: int) -> Config:
+    """Per-kernel tile configuration; 256-wide cooperative tiles only where they divide N."""
+    cfg = Config.parse(DEFAULTS[kind])
+    n_out = {"up": 2 * N, "down": D, "dh": N, "dx": D, "dw1": D, "dw2": N}[kind]
+    if cfg.tile_n == 256 and n_out % 256:
+        cfg = Config(128, cfg.pingpong)
+    return cfg
+
+
+def dh_tile_n(D: int, N: int, cfg: Config | str | None = None) -> int:
+    cfg = default_config("dh", D, N) if cfg is None else cfg
+    return (Config.parse(cfg) if isinstance(cfg, str) else cfg).tile_n
 
 
 # --------------------------------------------------------------------------- launches
 # Every launcher takes optional preallocated outputs (`out=`), which the tests poison.
 def up_proj(x_TD: Tensor, w1_EFD: Tensor, token_idx_R: Tensor, offsets_E1: Tensor,
-            tile_n: int | None = None, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+            cfg: Config | str | None = None, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """H = X[idx] W1_e^T per expert segment (R, 2N) and A = SwiGLU(H) (R, N)."""
     E, F, D = w1_EFD.shape
     R = token_idx_R.numel()
     h_RF, a_RN = out if out is not None else (x_TD.new_empty(R, F), x_TD.new_empty(R, F // 2))
     if R:
-        fn = compiled("up", x_TD.dtype, D, F // 2, E, tile_n)
+        fn = compiled("up", x_TD.dtype, D, F // 2, E, cfg)
         fn(x_TD, w1_EFD.permute(1, 2, 0), offsets_E1, token_idx_R, (h_RF, a_RN))
     return h_RF, a_RN
 
 
 def down_proj(a_RN: Tensor, w2_EDN: Tensor, offsets_E1: Tensor, token_idx_R: Tensor,
-              tile_n: int | None = None, out: Tensor | None = None) -> Tensor:
+              cfg: Config | str | None = None, out: Tensor | None = None) -> Tensor:
     """Y = A W2_e^T per expert segment (R, D)."""
     E, D, N = w2_EDN.shape
     R = a_RN.shape[0]
     y_RD = out if out is not None else a_RN.new_empty(R, D)
     if R:
-        fn = compiled("down", a_RN.dtype, D, N, E, tile_n)
+        fn = compiled("down", a_RN.dtype, D, N, E, cfg)
         fn(a_RN, w2_EDN.permute(1, 2, 0), offsets_E1, token_idx_R, (y_RD,))
     return y_RD
 
 
 def dh(dout_TD: Tensor, w2_EDN: Tensor, h_RF: Tensor, scores_R: Tensor, token_idx_R: Tensor,
-       offsets_E1: Tensor, tile_n: int | None = None,
+       offsets_E1: Tensor, cfg: Config | str | None = None,
        out: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dH (R, 2N), A' = s*A (R, N) and dS (R,) fp32 from dA' = dO[idx] W2_e."""
     E, D, N = w2_EDN.shape
     R = h_RF.shape[0]
-    tile_n = tile_n or default_tile_n("dh", D, N)
-    n_tiles = (N + tile_n - 1) // tile_n
+    n_tiles = -(-N // dh_tile_n(D, N, cfg))
     if out is not None:
         dh_RF, ap_RN, ds_PR = out
     else:
@@ -167,46 +196,46 @@ def dh(dout_TD: Tensor, w2_EDN: Tensor, h_RF: Tensor, scores_R: Tensor, token_id
         ds_PR = torch.empty(n_tiles, R, dtype=torch.float32, device=h_RF.device)
     assert ds_PR.shape == (n_tiles, R)
     if R:
-        fn = compiled("dh", dout_TD.dtype, D, N, E, tile_n)
+        fn = compiled("dh", dout_TD.dtype, D, N, E, cfg)
         fn(dout_TD, w2_EDN.permute(2, 1, 0), offsets_E1, token_idx_R,
            (h_RF, scores_R.float().contiguous(), dh_RF, ap_RN, ds_PR))
     return dh_RF, ap_RN, ds_PR.sum(0)
 
 
 def dx_rows(dh_RF: Tensor, w1_EFD: Tensor, offsets_E1: Tensor, token_idx_R: Tensor,
-            tile_n: int | None = None, out: Tensor | None = None) -> Tensor:
+            cfg: Config | str | None = None, out: Tensor | None = None) -> Tensor:
     """dX~ = dH W1_e per expert segment (R, D)."""
     E, F, D = w1_EFD.shape
     R = dh_RF.shape[0]
     dxt_RD = out if out is not None else dh_RF.new_empty(R, D)
     if R:
-        fn = compiled("dx", dh_RF.dtype, D, F // 2, E, tile_n)
+        fn = compiled("dx", dh_RF.dtype, D, F // 2, E, cfg)
         fn(dh_RF, w1_EFD.permute(2, 1, 0), offsets_E1, token_idx_R, (dxt_RD,))
     return dxt_RD
 
 
 def dw1(dh_RF: Tensor, x_TD: Tensor, token_idx_R: Tensor, offsets_E1: Tensor, E: int,
-        out: Tensor | None = None) -> Tensor:
+        cfg: Config | str | None = None, out: Tensor | None = None) -> Tensor:
     """dW1_e = dH_e^T X[idx_e] (E, 2N, D); experts without rows get zeros."""
     R, F = dh_RF.shape
     D = x_TD.shape[1]
     dw1_EFD = out if out is not None else dh_RF.new_empty(E, F, D)
     if R == 0:
         return dw1_EFD.zero_()
-    fn = compiled("dw1", dh_RF.dtype, D, F // 2, E)
+    fn = compiled("dw1", dh_RF.dtype, D, F // 2, E, cfg)
     fn(dh_RF.t(), x_TD.t(), offsets_E1, token_idx_R, (dw1_EFD.permute(1, 2, 0),))
     return dw1_EFD
 
 
 def dw2(dout_TD: Tensor, ap_RN: Tensor, token_idx_R: Tensor, offsets_E1: Tensor, E: int,
-        out: Tensor | None = None) -> Tensor:
+        cfg: Config | str | None = None, out: Tensor | None = None) -> Tensor:
     """dW2_e = dO[idx_e]^T A'_e (E, D, N); experts without rows get zeros."""
     R, N = ap_RN.shape
     D = dout_TD.shape[1]
     dw2_EDN = out if out is not None else ap_RN.new_empty(E, D, N)
     if R == 0:
         return dw2_EDN.zero_()
-    fn = compiled("dw2", ap_RN.dtype, D, N, E)
+    fn = compiled("dw2", ap_RN.dtype, D, N, E, cfg)
     fn(dout_TD.t(), ap_RN.t(), offsets_E1, token_idx_R, (dw2_EDN.permute(1, 2, 0),))
     return dw2_EDN
 

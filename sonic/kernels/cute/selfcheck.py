@@ -38,7 +38,7 @@ def _err(out, ref) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-def run(T, D, N, E, K, routing, hang_s, seed=0) -> bool:
+def run(T, D, N, E, K, routing, hang_s, configs, seed=0) -> bool:
     from sonic.kernels.cute import ops
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -68,14 +68,14 @@ def run(T, D, N, E, K, routing, hang_s, seed=0) -> bool:
         print(f"{'ok  ' if good else 'FAIL'} {name:10s} " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()),
               flush=True)
 
-    h, a = ops.up_proj(x, w1, tok, off, out=(nan(R, 2 * N), nan(R, N)))
+    h, a = ops.up_proj(x, w1, tok, off, configs.get("up"), out=(nan(R, 2 * N), nan(R, N)))
     _wait("up_proj", hang_s)
     h_ref = torch.empty(R, 2 * N, device=dev)
     for e, lo, hi in segs:
         h_ref[lo:hi] = x[tl[lo:hi]].float() @ w1[e].float().T
     report("up_proj", {"H": _err(h, h_ref), "A": _err(a, swiglu(h_ref))})
 
-    y = ops.down_proj(a, w2, off, tok, out=nan(R, D))
+    y = ops.down_proj(a, w2, off, tok, configs.get("down"), out=nan(R, D))
     _wait("down_proj", hang_s)
     y_ref = torch.empty(R, D, device=dev)
     for e, lo, hi in segs:
@@ -87,8 +87,9 @@ def run(T, D, N, E, K, routing, hang_s, seed=0) -> bool:
     o_ref = torch.zeros(T, D, device=dev).index_add_(0, tl, y.float() * s[:, None])
     report("gather_sum", {"O": _err(o, o_ref)})
 
-    tile = ops.default_tile_n("dh", D, N)
-    dh, ap, ds = ops.dh(dout, w2, h, s, tok, off, out=(nan(R, 2 * N), nan(R, N), nan(-(-N // tile), R, dt=torch.float32)))
+    cfg = configs.get("dh")
+    n_tiles = -(-N // ops.dh_tile_n(D, N, cfg))
+    dh, ap, ds = ops.dh(dout, w2, h, s, tok, off, cfg, out=(nan(R, 2 * N), nan(R, N), nan(n_tiles, R, dt=torch.float32)))
     _wait("dh", hang_s)
     dap = torch.empty(R, N, device=dev)
     for e, lo, hi in segs:
@@ -97,21 +98,21 @@ def run(T, D, N, E, K, routing, hang_s, seed=0) -> bool:
     report("dh", {"dH": _err(dh, dswiglu(s[:, None] * dap, h)), "A'": _err(ap, s[:, None] * a32),
                   "dS": _err(ds, (dap * a32).sum(-1))})
 
-    dxt = ops.dx_rows(dh, w1, off, tok, out=nan(R, D))
+    dxt = ops.dx_rows(dh, w1, off, tok, configs.get("dx"), out=nan(R, D))
     _wait("dx", hang_s)
     dxt_ref = torch.empty(R, D, device=dev)
     for e, lo, hi in segs:
         dxt_ref[lo:hi] = dh[lo:hi].float() @ w1[e].float()
     report("dx", {"dX~": _err(dxt, dxt_ref)})
 
-    dw1 = ops.dw1(dh, x, tok, off, E, out=nan(E, 2 * N, D))
+    dw1 = ops.dw1(dh, x, tok, off, E, configs.get("dw1"), out=nan(E, 2 * N, D))
     _wait("dw1", hang_s)
     dw1_ref = torch.zeros(E, 2 * N, D, device=dev)
     for e, lo, hi in segs:
         dw1_ref[e] = dh[lo:hi].float().T @ x[tl[lo:hi]].float()
     report("dw1", {"dW1": _err(dw1, dw1_ref)})
 
-    dw2 = ops.dw2(dout, ap, tok, off, E, out=nan(E, D, N))
+    dw2 = ops.dw2(dout, ap, tok, off, E, configs.get("dw2"), out=nan(E, D, N))
     _wait("dw2", hang_s)
     dw2_ref = torch.zeros(E, D, N, device=dev)
     for e, lo, hi in segs:
@@ -125,13 +126,15 @@ def main() -> None:
     ap.add_argument("--shape", action="append", default=None, help="T,D,N,E,K (repeatable)")
     ap.add_argument("--routing", action="append", default=None)
     ap.add_argument("--hang-s", type=float, default=20.0)
+    ap.add_argument("--config", default="", help="per-kernel tile config, e.g. up=pp128,dw1=pp128")
     args = ap.parse_args()
+    configs = dict(kv.split("=") for kv in args.config.split(",") if kv)
     shapes = [tuple(int(v) for v in s.split(",")) for s in (args.shape or ["300,384,192,8,2"])]
     ok = True
     for shape in shapes:
         for routing in args.routing or ["uniform"]:
-            print(f"-- T,D,N,E,K={shape} routing={routing}", flush=True)
-            ok &= run(*shape, routing, args.hang_s)
+            print(f"-- T,D,N,E,K={shape} routing={routing} configs={configs}", flush=True)
+            ok &= run(*shape, routing, args.hang_s, configs)
     sys.exit(0 if ok else 1)
 
 
