@@ -167,16 +167,21 @@ def load_corpus(cfg, tokenizer) -> TokenCorpus:
     return tokenize_documents(documents.iter_documents(cfg), tokenizer, n, labels)
 
 
+def _first_docs(source, n: int) -> list[str]:
+    """The first n non-empty documents of a `datasets` source (validation for hf / streaming sources)."""
+    texts = []
+    for text in source.texts(batch_size=min(n, 1000)):
+        if text.strip():
+            texts.append(text)
+            if len(texts) == n:
+                break
+    return texts
+
+
 def _val_from_split(cfg, tokenizer) -> TokenCorpus:
     """The first val_docs non-empty documents of data.val_split."""
     source = documents.open_hf(cfg, cfg.val_split, streaming=cfg.streaming)
-    texts = []
-    for text in source.texts(batch_size=min(cfg.val_docs, 1000)):
-        if text.strip():
-            texts.append(text)
-            if len(texts) == cfg.val_docs:
-                break
-    return tokenize_documents(((0, t) for t in texts), tokenizer, 1, [source.label])
+    return tokenize_documents(((0, t) for t in _first_docs(source, cfg.val_docs)), tokenizer, 1, [source.label])
 
 
 def build_loaders(cfg, tokenizer, seq_len: int, micro_batch_size: int, rank: int = 0, world_size: int = 1,
@@ -190,37 +195,43 @@ def build_loaders(cfg, tokenizer, seq_len: int, micro_batch_size: int, rank: int
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     fingerprint = {"source": cfg.source, "name": cfg.name, "paths": list(cfg.paths), "tokenizer": tokenizer.name,
                    "seed": seed, "seq_len": seq_len, "micro_batch_size": micro_batch_size, "world_size": world_size}
-    if cfg.streaming:
-        source = documents.open_hf(cfg, cfg.split, streaming=True)
-        if cfg.val_split:
-            val_corpus, exclude = _val_from_split(cfg, tokenizer), frozenset()
-        else:
-            held = []
-            for text in source.texts(batch_size=min(cfg.val_docs, 1000)):
-                if text.strip():
-                    held.append(text)
-                    if len(held) == cfg.val_docs:
-                        break
-            val_corpus = tokenize_documents(((0, t) for t in held), tokenizer, 1, [source.label])
-            exclude = frozenset(text_key(t) for t in held)
-        streams = _StreamingStreams(source, tokenizer, rank, world_size, seq_len, micro_batch_size, exclude)
-        fingerprint.update(rank=rank, num_workers=cfg.num_workers)
-        val_docs = np.arange(val_corpus.n_docs)
-    else:
-        corpus = load_corpus(cfg, tokenizer)
-        label = documents.source_label(cfg) if cfg.source != "shards" else ", ".join(cfg.paths)
-        if cfg.val_split:
-            train_docs = [corpus.component_docs(0)]
-            val_corpus = _val_from_split(cfg, tokenizer)
-            val_docs = np.arange(val_corpus.n_docs)
-        else:
-            train_docs, val_docs = split_validation(corpus, cfg.val_docs, label)
-            val_corpus = corpus
-        plan = TrainPlan(corpus, train_docs, cfg.weights, seed, seq_len)
-        plan.locate(0)  # fails now, not mid-training, when an epoch is shorter than one window
-        streams = _IndexedStreams(plan, rank, world_size, micro_batch_size)
-        fingerprint.update(docs=corpus.n_docs, tokens=corpus.n_tokens, weights=cfg.weights)
-        log.info("data: %d documents, %d tokens (%d empty skipped), %d held out for validation",
-                 corpus.n_docs, corpus.n_tokens, corpus.empty_docs, len(val_docs))
+    build = _streaming if cfg.streaming else _indexed
+    streams, val_corpus, val_docs = build(cfg, tokenizer, seq_len, micro_batch_size, rank, world_size, seed,
+                                          fingerprint)
     return (TrainLoader(streams, cfg.num_workers, fingerprint),
             ValLoader(val_corpus, val_docs, seq_len, micro_batch_size, rank, world_size))
+
+
+def _indexed(cfg, tokenizer, seq_len, micro_batch_size, rank, world_size, seed, fingerprint):
+    """All documents in memory or memory-mapped: batches are a pure function of (seed, step)."""
+    corpus = load_corpus(cfg, tokenizer)
+    if cfg.val_split:
+        train_docs, val_corpus = [corpus.component_docs(0)], _val_from_split(cfg, tokenizer)
+        val_docs = np.arange(val_corpus.n_docs)
+    else:
+        label = ", ".join(cfg.paths) if cfg.source == "shards" else documents.source_label(cfg)
+        (train_docs, val_docs), val_corpus = split_validation(corpus, cfg.val_docs, label), corpus
+    plan = TrainPlan(corpus, train_docs, cfg.weights, seed, seq_len)
+    plan.locate(0)  # fails now, not mid-training, when an epoch is shorter than one window
+    fingerprint.update(docs=corpus.n_docs, tokens=corpus.n_tokens,
+                       weights=None if cfg.weights is None else [float(w) for w in cfg.weights])
+    log.info("data: %d documents, %d tokens (%d empty skipped), %d held out for validation",
+             corpus.n_docs, corpus.n_tokens, corpus.empty_docs, len(val_docs))
+    return _IndexedStreams(plan, rank, world_size, micro_batch_size), val_corpus, val_docs
+
+
+def _streaming(cfg, tokenizer, seq_len, micro_batch_size, rank, world_size, seed, fingerprint):
+    """Documents read lazily; validation is the stream's first val_docs documents, kept out of training."""
+    source = documents.open_hf(cfg, cfg.split, streaming=True)
+    if cfg.val_split:
+        val_corpus, exclude = _val_from_split(cfg, tokenizer), frozenset()
+    else:
+        held = _first_docs(source, cfg.val_docs)
+        if len(held) < cfg.val_docs:
+            raise ValueError(f"{source.label}: data.val_docs={cfg.val_docs} would hold out all {len(held)} "
+                             "non-empty documents; lower val_docs")
+        val_corpus = tokenize_documents(((0, t) for t in held), tokenizer, 1, [source.label])
+        exclude = frozenset(text_key(t) for t in held)
+    fingerprint.update(rank=rank, num_workers=cfg.num_workers)
+    streams = _StreamingStreams(source, tokenizer, rank, world_size, seq_len, micro_batch_size, exclude)
+    return streams, val_corpus, np.arange(val_corpus.n_docs)

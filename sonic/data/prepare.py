@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-docs", type=int, help="stop after this many source documents")
     parser.add_argument("--chunk-docs", type=int, default=256, help="documents per tokenizer task")
     parser.add_argument("--verify", action="store_true", help="check OUT's shard hashes instead of preparing")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     if args.verify:
         print(f"{args.out}: {shards.verify(args.out):,} tokens, all shards match index.json")
         return

@@ -1,7 +1,7 @@
 """Streaming sources (HF `datasets` IterableDataset): documents are read, tokenised and packed lazily.
 
-Each (rank, worker) stream reads its own part of the dataset (whole files when the file count
-allows, else every k-th document), packs it sequentially and remembers where its next window
+Each (rank, worker) stream reads its own part of the dataset (whole files when there are at least
+as many files as streams, else every n-th document of the whole stream), packs it sequentially and remembers where its next window
 starts: the dataset's own state before the current read, the document within that read and the
 token offset within the document.  That position is small and exact, so a resume re-reads at
 most one read of documents.  Order is the dataset's order (HF reorders files on each pass via
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -48,11 +49,19 @@ class StreamPacker:
     def initial_state() -> dict:
         return {"epoch": 0, "hf": None, "doc": 0, "offset": 0}
 
-    def _pieces(self, state: dict) -> Iterator[_Piece]:
-        """Whole documents from `state` on, forever, each tagged with its own start position."""
+    def _split(self):
+        """This stream's part: whole files, even when they do not divide evenly (streams are endless
+        anyway), so no stream downloads the others' data; every n-th document when files are too few."""
         from datasets.distributed import split_dataset_by_node
 
-        ds = split_dataset_by_node(self.source.ds, rank=self.stream, world_size=self.n_streams)
+        ds, options = self.source.ds, {}
+        if ds.num_shards >= self.n_streams and "strategy" in inspect.signature(split_dataset_by_node).parameters:
+            options["strategy"] = "shards"  # datasets >= 5; older versions fall back to "auto"
+        return split_dataset_by_node(ds, rank=self.stream, world_size=self.n_streams, **options)
+
+    def _pieces(self, state: dict) -> Iterator[_Piece]:
+        """Whole documents from `state` on, forever, each tagged with its own start position."""
+        ds = self._split()
         epoch, resume_hf = state["epoch"], state["hf"]
         skip_docs, skip_tokens = state["doc"], state["offset"]
         eos = self.tokenizer.eos_token_id

@@ -60,3 +60,10 @@ def test_invalid_json_names_the_line(tmp_path):
     path.write_text(json.dumps({"text": "ok"}) + "\n{not json\n")
     with pytest.raises(ValueError, match="broken.jsonl:2: invalid JSON"):
         load(DataConfig(source="files", paths=[str(path)]))
+
+
+def test_validation_cannot_take_every_document(tmp_path):
+    path = write_jsonl(tmp_path / "few.jsonl", ["one doc", "two docs"])
+    for streaming in (False, True):
+        with pytest.raises(ValueError, match=r"few.jsonl.*data.val_docs=5"):
+            load(DataConfig(source="files", paths=[path], streaming=streaming, val_docs=5))

@@ -1,9 +1,10 @@
 """`python -m sonic.data.prepare` and `source: shards`: identical batches, resumable prepare, corruption checks."""
 from __future__ import annotations
 
-import json
 import os
+import pickle
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from sonic.data.prepare import prepare
 from tests.data.conftest import same_batches, take, word_docs, write_jsonl
 
 S, B = 16, 2
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "data"
 
 
 @pytest.fixture
@@ -55,18 +57,24 @@ def test_byte_shards_are_uint16_and_the_embedded_corpus_round_trips(tmp_path):
     assert same_batches(take(a, 20), take(b, 20))
 
 
-def test_prepare_resumes_after_the_last_complete_shard(tmp_path, files_cfg, monkeypatch):
-    reference = prepare(files_cfg, str(tmp_path / "ref"), procs=0, shard_tokens=1500, chunk_docs=32, progress=False)
-    out = str(tmp_path / "out")
+def crash_after_two_shards(monkeypatch):
+    """Makes prepare die while writing its third shard; returns a function that undoes it."""
     publish = prepare_module._ShardWriter.publish
 
-    def crash_on_third(self, *args, **kwargs):
+    def crash(self, *args, **kwargs):
         if len(self.index["shards"]) == 2:
             self.file.write(b"partial")  # a half-written shard, never renamed
             raise KeyboardInterrupt
         publish(self, *args, **kwargs)
 
-    monkeypatch.setattr(prepare_module._ShardWriter, "publish", crash_on_third)
+    monkeypatch.setattr(prepare_module._ShardWriter, "publish", crash)
+    return lambda: monkeypatch.setattr(prepare_module._ShardWriter, "publish", publish)
+
+
+def test_prepare_resumes_after_the_last_complete_shard(tmp_path, files_cfg, monkeypatch):
+    reference = prepare(files_cfg, str(tmp_path / "ref"), procs=0, shard_tokens=1500, chunk_docs=32, progress=False)
+    out = str(tmp_path / "out")
+    undo = crash_after_two_shards(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         prepare(files_cfg, out, procs=0, shard_tokens=1500, chunk_docs=32, progress=False)
     partial = shards.read_index(out)
@@ -75,7 +83,7 @@ def test_prepare_resumes_after_the_last_complete_shard(tmp_path, files_cfg, monk
     with pytest.raises(ValueError, match="has not finished"):
         shards.load([out], build_tokenizer(files_cfg))
 
-    monkeypatch.setattr(prepare_module._ShardWriter, "publish", publish)
+    undo()
     tokenized = []
     chunk = prepare_module.tokenize_chunk
     monkeypatch.setattr(prepare_module, "tokenize_chunk", lambda tok, texts, dt: tokenized.append(len(texts))
@@ -88,6 +96,48 @@ def test_prepare_resumes_after_the_last_complete_shard(tmp_path, files_cfg, monk
     other = DataConfig(source="files", paths=files_cfg.paths, tokenizer="byte")
     with pytest.raises(ValueError, match="another source"):
         prepare(other, out, procs=0, progress=False)
+
+
+def test_prepare_resumes_a_streaming_hf_source_from_its_saved_position(tmp_path, monkeypatch, word_tokenizer_dir):
+    root = tmp_path / "local_dataset"
+    root.mkdir()
+    docs = word_docs(300)
+    for i in range(3):
+        write_jsonl(root / f"train-{i}.jsonl", docs[i * 100:(i + 1) * 100])
+    cfg = DataConfig(source="hf", name=str(root), streaming=True, tokenizer=word_tokenizer_dir)
+    options = dict(procs=0, shard_tokens=1000, chunk_docs=16, progress=False)
+    reference = prepare(cfg, str(tmp_path / "ref"), **options)
+    undo = crash_after_two_shards(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(cfg, str(tmp_path / "out"), **options)
+    assert shards.read_index(str(tmp_path / "out"))["resume"] is not None
+    undo()
+    final = prepare(cfg, str(tmp_path / "out"), **options)
+    assert [s["blake2b"] for s in final["shards"]] == [s["blake2b"] for s in reference["shards"]]
+    assert sum(s["docs"] for s in final["shards"]) == 300
+
+
+def test_command_line(tmp_path, capsys):
+    out = str(tmp_path / "cli")
+    prepare_module.main([out, "--config", str(CONFIGS / "embedded.yaml"), "--procs", "2", "--shard-tokens", "50000",
+                         "val_docs=8"])
+    assert "documents" in capsys.readouterr().out
+    index = shards.read_index(out)
+    assert index["complete"] and len(index["shards"]) >= 3 and index["source"]["source"] == "embedded"
+    prepare_module.main([out, "--verify"])
+    assert "all shards match" in capsys.readouterr().out
+
+
+def test_workers_read_shards_through_memory_maps(tmp_path, files_cfg):
+    prepare(files_cfg, str(tmp_path / "out"), procs=0, shard_tokens=1500, chunk_docs=32, progress=False)
+    cfg, tok = shards_cfg(files_cfg, tmp_path / "out"), build_tokenizer(files_cfg)
+    corpus = shards.load(cfg.paths, tok)
+    clone = pickle.loads(pickle.dumps(corpus))
+    assert all(isinstance(a, np.memmap) for a in clone.arrays) and (clone.piece(3, 0, 5) == corpus.piece(3, 0, 5)).all()
+    serial = build_loaders(cfg, tokenizer=tok, seq_len=S, micro_batch_size=B, seed=9)[0]
+    cfg.num_workers = 2
+    parallel = build_loaders(cfg, tokenizer=tok, seq_len=S, micro_batch_size=B, seed=9)[0]
+    assert same_batches(take(serial, 6), take(parallel, 6))
 
 
 def test_corrupt_or_mismatched_shards_are_named(tmp_path, files_cfg):

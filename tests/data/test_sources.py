@@ -101,7 +101,7 @@ def stream_files(tmp_path, word_tokenizer_dir):
 def test_streaming_ranks_disjoint_and_validation_held_out(stream_files):
     cfg, docs = stream_files
     tok = build_tokenizer(cfg)
-    for world in (2, 3):  # 4 files: whole files per rank (2) or every 3rd document (3)
+    for world in (2, 3, 5):  # 4 files: whole files per rank (2, 3: unevenly) or every 5th document (5)
         seen, held = [], set()
         for rank in range(world):
             train, val = build_loaders(cfg, tokenizer=tok, seq_len=S, micro_batch_size=B, rank=rank, world_size=world)
