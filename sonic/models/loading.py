@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
 
 from sonic.models.config import ModelConfig
 from sonic.models.transformer import Transformer
@@ -69,7 +71,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
             _load_dcp(resolved, model)
         else:
             _load_state(model, state)
-    except Exception as err:  # noqa: BLE001
+    except (Exception, _CheckpointException) as err:  # noqa: BLE001 - DCP's exception is a BaseException
         raise ValueError(f"checkpoint {resolved} is corrupt or does not match its config ({err}); "
                          f"point at another checkpoint") from err
     return LoadedModel(model.eval(), cfg, tokenizer, resolved, step)
@@ -190,4 +192,6 @@ def _load_dcp(path: Path, model: Transformer) -> None:
     missing = sorted(set(state) - saved)
     if missing:
         raise ValueError(f"missing weights {missing[:5]}")
-    dcp.load({"model": state}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():  # single-process loading is the intent here, not an accident
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=not dist.is_initialized())

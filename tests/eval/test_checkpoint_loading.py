@@ -1,0 +1,100 @@
+"""sonic.models.loading: every accepted checkpoint form loads the same weights; bad paths are named."""
+import shutil
+
+import pytest
+import torch
+
+from sonic.models.loading import load_model, save_model_file
+from tests.eval.conftest import save_checkpoint, tiny_config, tiny_model
+
+
+def same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_run_dir_checkpoints_dir_and_step_dir_resolve_to_the_newest_step(tmp_path):
+    old, new = tiny_model(tiny_config(), seed=1), tiny_model(tiny_config(), seed=2)
+    save_checkpoint(old, tmp_path, step=5)
+    step_dir = save_checkpoint(new, tmp_path, step=10)
+    (tmp_path / "checkpoints" / "step_00000020.tmp").mkdir()  # an interrupted save is never picked
+    for path in (tmp_path, tmp_path / "checkpoints", step_dir):
+        loaded = load_model(path, kernel_backend="reference")
+        assert loaded.path == step_dir and loaded.step == 10 and loaded.tokenizer == "byte"
+        assert loaded.config == new.cfg and same_weights(loaded.model, new)
+        assert not loaded.model.training
+    ids = torch.randint(0, 259, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits_BSV, new(ids).logits_BSV)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.pt"])
+def test_single_file_round_trip(tmp_path, name):
+    model = tiny_model(tiny_config(), seed=4)
+    path = save_model_file(tmp_path / name, model, tokenizer="byte")
+    loaded = load_model(path, kernel_backend="reference")
+    assert loaded.config == model.cfg and same_weights(loaded.model, model) and loaded.tokenizer == "byte"
+
+
+def test_missing_path_is_named(tmp_path):
+    with pytest.raises(ValueError, match=f"{tmp_path / 'nope'} does not exist"):
+        load_model(tmp_path / "nope")
+
+
+def test_directory_without_a_checkpoint_is_named(tmp_path):
+    (tmp_path / "checkpoints" / "step_00000003").mkdir(parents=True)  # no meta.json: incomplete
+    with pytest.raises(ValueError, match=f"checkpoint {tmp_path} is not a checkpoint"):
+        load_model(tmp_path)
+    with pytest.raises(ValueError, match="incomplete save"):
+        load_model(tmp_path / "checkpoints" / "step_00000003")
+
+
+@pytest.fixture
+def step_dir(tmp_path):
+    return save_checkpoint(tiny_model(tiny_config()), tmp_path)
+
+
+def test_truncated_shard_is_named_corrupt(step_dir):
+    shard = next(step_dir.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"checkpoint {step_dir} is corrupt"):
+        load_model(step_dir, kernel_backend="reference")
+
+
+def test_missing_dcp_metadata_is_named_corrupt(step_dir):
+    (step_dir / ".metadata").unlink()
+    with pytest.raises(ValueError, match=f"checkpoint {step_dir} is corrupt"):
+        load_model(step_dir, kernel_backend="reference")
+
+
+def test_missing_config_is_named(step_dir):
+    (step_dir / "config.yaml").unlink()
+    with pytest.raises(ValueError, match=f"checkpoint {step_dir}: config.yaml is missing"):
+        load_model(step_dir)
+
+
+def test_config_that_does_not_match_the_weights_is_named(step_dir):
+    text = (step_dir / "config.yaml").read_text()
+    (step_dir / "config.yaml").write_text(text.replace("num_layers: 2", "num_layers: 3"))
+    with pytest.raises(ValueError, match=f"checkpoint {step_dir} is corrupt or does not match its config"):
+        load_model(step_dir, kernel_backend="reference")
+
+
+def test_garbage_single_file_is_named(tmp_path):
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=f"checkpoint {bad} is corrupt"):
+        load_model(bad)
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"x")
+    with pytest.raises(ValueError, match=".safetensors or .pt"):
+        load_model(other)
+
+
+def test_eval_model_class_reports_a_missing_checkpoint(tmp_path):
+    pytest.importorskip("lm_eval")
+    from eval.lm import SonicLM
+
+    shutil.rmtree(tmp_path)
+    with pytest.raises(ValueError, match=str(tmp_path)):
+        SonicLM(checkpoint=str(tmp_path))
