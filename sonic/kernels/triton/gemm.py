@@ -54,8 +54,8 @@ def _tile_lookup(tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, m_ti
 
 @triton.jit(do_not_specialize=["R"])
 def up_proj_kernel(x_TD, token_idx_R, w1_EFD, b1_EF, h_RF, a_RN,
-                   tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, R,
-                   D: tl.constexpr, F: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, R, D, F,
+                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """H = X[token_idx] W1_e^T (+b1), A = SwiGLU(H), for one (row tile, BN columns of H).
 
@@ -63,10 +63,9 @@ def up_proj_kernel(x_TD, token_idx_R, w1_EFD, b1_EF, h_RF, a_RN,
     up rows (odd) are loaded as two B operands: SwiGLU is elementwise on two accumulators.
     A is computed from H rounded to the output dtype, exactly as the reference does.
     """
-    N: tl.constexpr = F // 2
+    N = F // 2
     HN: tl.constexpr = BN // 2
-    NUM_N: tl.constexpr = (F + BN - 1) // BN
-    EVEN_K: tl.constexpr = D % BK == 0
+    NUM_N = tl.cdiv(F, BN)
     pid = tl.program_id(0)
     m_tile = pid // NUM_N
     n_tile = pid % NUM_N
@@ -105,30 +104,29 @@ def up_proj_kernel(x_TD, token_idx_R, w1_EFD, b1_EF, h_RF, a_RN,
         hg = acc_g.to(h_RF.dtype.element_ty)
         hu = acc_u.to(h_RF.dtype.element_ty)
         rows64 = rows.to(tl.int64)
-        om = (rows < row_end)[:, None] & jm[None, :]
-        h_ptrs = h_RF + rows64[:, None] * F + (2 * j)[None, :]
-        tl.store(h_ptrs, hg, mask=om)
-        tl.store(h_ptrs + 1, hu, mask=om)
+        rm = rows < row_end
+        # H columns interleaved back (gate j, up j) so the store is contiguous
+        h = tl.reshape(tl.join(hg, hu), (BM, BN))
+        f = n_tile * BN + tl.arange(0, BN)
+        tl.store(h_RF + rows64[:, None] * F + f[None, :], h, mask=rm[:, None] & (f < F)[None, :])
         gf = hg.to(tl.float32)
         act = gf * tl.sigmoid(gf) * hu.to(tl.float32)
-        tl.store(a_RN + rows64[:, None] * N + j[None, :], act.to(a_RN.dtype.element_ty), mask=om)
+        tl.store(a_RN + rows64[:, None] * N + j[None, :], act.to(a_RN.dtype.element_ty),
+                 mask=rm[:, None] & jm[None, :])
 
 
 @triton.jit(do_not_specialize=["R"])
 def varlen_m_gemm_kernel(a_RK, b_EKN, bias_EN, out_RN,
-                         tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, R,
-                         K: tl.constexpr, N: tl.constexpr,
-                         stride_bk: tl.constexpr, stride_bn: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                         tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, R, K, N,
+                         stride_bk, stride_bn, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                         EVEN_N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[rows of e] = A[rows of e] B_e (+bias_e), contiguous rows in and out.
 
     B_e is addressed through strides, so the down-projection (B = W2_e^T: w2_EDN with
     stride_bk=1, stride_bn=N_expert) and dX~ (B = W1_e: w1_EFD with stride_bk=D,
     stride_bn=1) share the kernel.
     """
-    NUM_N: tl.constexpr = (N + BN - 1) // BN
-    EVEN_K: tl.constexpr = K % BK == 0
-    EVEN_N: tl.constexpr = N % BN == 0
+    NUM_N = tl.cdiv(N, BN)
     pid = tl.program_id(0)
     m_tile = pid // NUM_N
     n_tile = pid % NUM_N
@@ -164,8 +162,8 @@ def varlen_m_gemm_kernel(a_RK, b_EKN, bias_EN, out_RN,
 @triton.jit(do_not_specialize=["R"])
 def dh_kernel(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF,
               dh_RF, aprime_RN, ds_part_JR,
-              tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, R,
-              D: tl.constexpr, N: tl.constexpr, HAS_BIAS: tl.constexpr,
+              tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, R, D, N,
+              HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """dA' = dO[token_idx] W2_e for BN columns of N, then the whole dH epilogue.
 
@@ -173,10 +171,8 @@ def dh_kernel(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF,
     column tile's partial dS = <dA', A>; the partials of a row are summed afterwards in a
     fixed order (deterministic). The n_tile == 0 program adds <dO, b2_e> when biased.
     """
-    F: tl.constexpr = 2 * N
-    NUM_N: tl.constexpr = (N + BN - 1) // BN
-    EVEN_K: tl.constexpr = D % BK == 0
-    EVEN_N: tl.constexpr = N % BN == 0
+    F = 2 * N
+    NUM_N = tl.cdiv(N, BN)
     pid = tl.program_id(0)
     m_tile = pid // NUM_N
     n_tile = pid % NUM_N
@@ -210,30 +206,32 @@ def dh_kernel(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF,
         rows64 = rows.to(tl.int64)
         om = rm[:, None] & cm[None, :]
         s = tl.load(scores_R + rows, mask=rm, other=0.0).to(tl.float32)
-        h_ptrs = h_RF + rows64[:, None] * F + (2 * cols)[None, :]
-        hg = tl.load(h_ptrs, mask=om, other=0.0).to(tl.float32)
-        hu = tl.load(h_ptrs + 1, mask=om, other=0.0).to(tl.float32)
+        # the (BM, 2*BN) slab of H holding this tile's gate/up pairs, loaded contiguously
+        f = n_tile * 2 * BN + tl.arange(0, 2 * BN)
+        fm = rm[:, None] & (f < F)[None, :]
+        h = tl.load(h_RF + rows64[:, None] * F + f[None, :], mask=fm, other=0.0)
+        hg, hu = tl.split(tl.reshape(h, (BM, BN, 2)))
+        hg = hg.to(tl.float32)
+        hu = hu.to(tl.float32)
         sig = tl.sigmoid(hg)
         silu = hg * sig
         act = silu * hu
+        tl.store(aprime_RN + rows64[:, None] * N + cols[None, :],
+                 (act * s[:, None]).to(aprime_RN.dtype.element_ty), mask=om)
         ds = tl.sum(acc * act, axis=1)
         if HAS_BIAS:
             ds += tl.where(n_tile == 0, dob2, 0.0)
         tl.store(ds_part_JR + n_tile.to(tl.int64) * R + rows64, ds, mask=rm)
         da = acc * s[:, None]
-        dg = da * hu * (sig + silu * (1.0 - sig))
-        du = da * silu
-        dh_ptrs = dh_RF + rows64[:, None] * F + (2 * cols)[None, :]
-        tl.store(dh_ptrs, dg.to(dh_RF.dtype.element_ty), mask=om)
-        tl.store(dh_ptrs + 1, du.to(dh_RF.dtype.element_ty), mask=om)
-        tl.store(aprime_RN + rows64[:, None] * N + cols[None, :],
-                 (act * s[:, None]).to(aprime_RN.dtype.element_ty), mask=om)
+        dg = (da * hu * (sig + silu * (1.0 - sig))).to(dh_RF.dtype.element_ty)
+        du = (da * silu).to(dh_RF.dtype.element_ty)
+        tl.store(dh_RF + rows64[:, None] * F + f[None, :], tl.reshape(tl.join(dg, du), (BM, 2 * BN)),
+                 mask=fm)
 
 
 @triton.jit
 def varlen_k_gemm_kernel(p_XI, p_idx_R, q_YJ, q_idx_R, weight_R, out_EIJ, bias_grad_EI,
-                         expert_offsets_E1,
-                         I: tl.constexpr, J: tl.constexpr, GATHER_P: tl.constexpr,
+                         expert_offsets_E1, I, J, EVEN_IJ: tl.constexpr, GATHER_P: tl.constexpr,
                          GATHER_Q: tl.constexpr, BIAS_GRAD: tl.constexpr, WEIGHTED: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out_e = P[rows of e]^T Q[rows of e]: a weight gradient, reducing over e's rows.
@@ -243,9 +241,8 @@ def varlen_k_gemm_kernel(p_XI, p_idx_R, q_YJ, q_idx_R, weight_R, out_EIJ, bias_g
     With BIAS_GRAD the j-tile-0 programs also write sum_rows (w *) P, the bias gradient.
     Empty experts write zeros.
     """
-    NUM_I: tl.constexpr = (I + BM - 1) // BM
-    NUM_J: tl.constexpr = (J + BN - 1) // BN
-    EVEN_IJ: tl.constexpr = (I % BM == 0) and (J % BN == 0)
+    NUM_I = tl.cdiv(I, BM)
+    NUM_J = tl.cdiv(J, BN)
     pid = tl.program_id(0)
     e = pid // (NUM_I * NUM_J)
     rem = pid % (NUM_I * NUM_J)
@@ -294,7 +291,7 @@ def varlen_k_gemm_kernel(p_XI, p_idx_R, q_YJ, q_idx_R, weight_R, out_EIJ, bias_g
 
 @triton.jit
 def gather_sum_kernel(rows_RD, weight_R, token_offsets_T1, rows_by_token_R, out_TD,
-                      D: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr,
+                      D, WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr,
                       CHUNK: tl.constexpr):
     """out_t = sum over token t's rows of (w_r *) rows_r: a deterministic gather-sum.
 
