@@ -8,8 +8,10 @@ Examples:
 import hydra
 from omegaconf import DictConfig
 
-from sonic.train.config import to_config
+from sonic.train.config import register_schema, to_config
 from sonic.train.trainer import train
+
+register_schema()
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")

@@ -59,6 +59,14 @@ class Config:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
 
 
+def register_schema() -> None:
+    """Make the dataclasses Hydra's schema, so every field can be overridden from the
+    command line and typos fail at composition (configs/config.yaml lists `_schema`)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="_schema", node=Config)
+
+
 def to_config(raw: DictConfig | dict) -> Config:
     """Validate a composed Hydra config against the dataclasses (unknown keys and bad
     types fail here with OmegaConf's message; bad values fail in __post_init__)."""

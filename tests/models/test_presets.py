@@ -63,8 +63,18 @@ def test_impossible_shapes_name_the_field(override, field):
         compose_config(override)
 
 
-def test_unknown_key_fails():
-    from omegaconf.errors import ConfigKeyError
+def test_unknown_key_fails_at_composition():
+    from hydra.errors import ConfigCompositionException
 
-    with pytest.raises(ConfigKeyError, match="not_a_field"):
-        compose_config("+model.not_a_field=1")
+    with pytest.raises(ConfigCompositionException, match="not_a_field"):
+        compose_config("model.not_a_field=1")
+
+
+def test_presets_module_matches_hydra_composition():
+    from sonic.models.presets import load_preset, preset_names
+
+    assert set(EXPECTED) | {"tiny"} == set(preset_names())
+    for name in preset_names():
+        assert load_preset(name) == compose_config(f"model={name}").model
+    with pytest.raises(ValueError, match="unknown model preset"):
+        load_preset("nope")
