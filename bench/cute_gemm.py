@@ -28,9 +28,26 @@ SHAPES = {  # T, D, N, E, K (PAPER.md Table 9b and README.md)
 PAPER_TF = {"up": 559, "down": 485, "dh": 328}  # 7B breakdown on H100 (PAPER.md)
 
 
-def bench(fn, warmup=25, rep=100) -> float:
+def guarded(fn, what: str, hang_s: float = 30.0) -> None:
+    """Run fn once; end the process if the GPU has not finished after hang_s (a deadlock)."""
+    import os
+    fn()
+    ev = torch.cuda.Event()
+    ev.record()
+    t0 = time.time()
+    while not ev.query():
+        if time.time() - t0 > hang_s:
+            print(f"HANG in {what}", flush=True)
+            os._exit(3)
+        time.sleep(0.002)
+
+
+def bench(fn, warmup=25, rep=100, what: str = "") -> float:
     from triton.testing import do_bench
-    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")  # ms
+    guarded(fn, what)
+    ms = do_bench(fn, warmup=warmup, rep=rep, return_mode="median")  # ms
+    print(f"  {what}: {ms:.3f} ms", flush=True)
+    return ms
 
 
 def main() -> None:
@@ -61,13 +78,20 @@ def main() -> None:
     s = plan.scores_R.float()
 
     # first calls compile (timed separately), later calls are cached
+    print("first calls (compile) ...", flush=True)
     t0 = time.perf_counter()
     h, a = ops.up_proj(x, w1, tok, off, cfg=tn.get("up"))
+    guarded(lambda: None, "first up")
     y = ops.down_proj(a, w2, off, tok, cfg=tn.get("down"))
+    guarded(lambda: None, "first down")
     dh, ap_, ds = ops.dh(dout, w2, h, s, tok, off, cfg=tn.get("dh"))
+    guarded(lambda: None, "first dh")
     dxt = ops.dx_rows(dh, w1, off, tok, cfg=tn.get("dx"))
+    guarded(lambda: None, "first dx")
     ops.dw1(dh, x, tok, off, E, cfg=tn.get("dw1"))
+    guarded(lambda: None, "first dw1")
     ops.dw2(dout, ap_, tok, off, E, cfg=tn.get("dw2"))
+    guarded(lambda: None, "first dw2")
     ops.gather_sum(y, plan.token_offsets_T1, plan.rows_by_token_R, plan.scores_R)
     ops.gather_sum(dxt, plan.token_offsets_T1, plan.rows_by_token_R)
     torch.cuda.synchronize()
@@ -105,7 +129,7 @@ def main() -> None:
     chosen = {}
     for name, (launch, flops, mnk) in calls.items():
         cands = sweep.get(name) or [tn.get(name) or str(ops.default_config(name, D, N))]
-        times = {c: bench(lambda: launch(c)) for c in cands}
+        times = {c: bench(lambda: launch(c), what=f"{name}/{c}") for c in cands}
         best = min(times, key=times.get)
         chosen[name] = best
         row(name, times[best], flops, cublas(*mnk))
@@ -126,9 +150,10 @@ def main() -> None:
         w1g, w2g = w1.clone().requires_grad_(), w2.clone().requires_grad_()
         sg = plan.scores_R.clone().requires_grad_()
         p2 = plan.with_scores(sg)
-        fwd = bench(lambda: experts(xg, w1g, w2g, p2))
+        fwd = bench(lambda: experts(xg, w1g, w2g, p2), what="layer fwd")
         o = experts(xg, w1g, w2g, p2)
-        bwd_total = bench(lambda: torch.autograd.grad(experts(xg, w1g, w2g, p2), (xg, w1g, w2g, sg), dout))
+        bwd_total = bench(lambda: torch.autograd.grad(experts(xg, w1g, w2g, p2), (xg, w1g, w2g, sg), dout),
+                          what="layer fwd+bwd")
         flop = 6 * T * K * N * D
         layer = {"fwd_ms": fwd, "fwd_bwd_ms": bwd_total, "bwd_ms": bwd_total - fwd,
                  "fwd_tf": flop / fwd * 1e-9, "bwd_tf": 2 * flop / (bwd_total - fwd) * 1e-9,

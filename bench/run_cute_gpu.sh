@@ -23,7 +23,8 @@ if [[ " $STAGES " == *" check "* ]]; then
     [[ $cfg == default ]] && cfg=""
     log "selfcheck config=$cfg"
     timeout 240 python -m sonic.kernels.cute.selfcheck --hang-s 20 --config "$cfg" \
-        --shape 300,384,192,8,2 --shape 517,512,256,6,3 --routing uniform --routing skewed --routing empty \
+        --shape 300,384,192,8,2 --shape 517,512,256,6,3 --shape 8192,512,128,64,4 \
+        --routing uniform --routing skewed --routing empty \
         2>&1 | tee -a "$OUT/selfcheck.log" | grep -v "^ok"
     rc=$?
     log "selfcheck rc=$rc"

@@ -530,8 +530,8 @@ class GroupedGemm:
             their_turn = pipeline.NamedBarrier(barrier_id=4 - cwg, num_threads=CONSUMER_THREADS)
             t = bid + cwg * grid
             if cwg == 1 and bid < total:  # the stages of consumer 0's first tile
-                self._skip(read, release, self._k_tiles(bid, n_tiles_n, sTile, sRow, mOffsets, m_tiles,
-                                                        k_tiles_static))
+                n = self._k_tiles(bid, n_tiles_n, sTile, sRow, mOffsets, m_tiles, k_tiles_static)
+                read, release = _advanced(read, n), _advanced(release, n)
         while t < total:
             expert, mt, nt, start, length = self._decode(t, n_tiles_n, sTile, sRow, mOffsets, m_tiles)
             k_tiles = k_tiles_static
@@ -564,18 +564,21 @@ class GroupedGemm:
                 release.advance()
             if const_expr(pp):
                 if t + grid < total:  # skip the stages of the other consumer's next tile
-                    self._skip(read, release, self._k_tiles(t + grid, n_tiles_n, sTile, sRow, mOffsets,
-                                                            m_tiles, k_tiles_static))
+                    n = self._k_tiles(t + grid, n_tiles_n, sTile, sRow, mOffsets, m_tiles, k_tiles_static)
+                    read, release = _advanced(read, n), _advanced(release, n)
             ctx = EpilogueContext(self, acc, tCcC, sEpiMine, epi_args, expert, mt, nt, start, length,
                                   etid, epi_barrier)
             self.epi.apply(ctx)
             t += step
 
-    @cute.jit
-    def _skip(self, read, release, n):
-        for _ in cutlass.range(n, unroll=1):
-            read.advance()
-            release.advance()
+
+def _advanced(state: pipeline.PipelineState, n) -> pipeline.PipelineState:
+    """`state` advanced by n stages, as a new value (jit callees cannot mutate their caller's
+    pipeline state: their arguments are rebuilt from IR values)."""
+    stages = state.stages
+    index = state.index + n
+    return pipeline.PipelineState(stages, state.count + n, index % stages,
+                                  state.phase ^ ((index // stages) % 2))
 
 
 class EpilogueContext:
