@@ -137,7 +137,7 @@ def iter_documents(cfg) -> Iterator[tuple[int, str]]:
 def source_label(cfg, component: int = 0) -> str:
     """Names a source in error messages."""
     if cfg.source == "hf":
-        return f"HF dataset {cfg.name!r}" + (f" ({cfg.subset})" if cfg.subset else "") + f" split {cfg.split!r}"
+        return _hf_label(cfg, cfg.split)
     if cfg.source == "shards":
         return cfg.paths[component]
     files = components(cfg)[component]
@@ -178,7 +178,7 @@ def open_hf(cfg, split: str, streaming: bool) -> HFSource:
             if kind == "text" else {}
         ds = datasets.load_dataset(kind, data_files=files, split="train", streaming=streaming, **options)
         return HFSource(ds, "text" if kind == "text" else cfg.text_column, source_label(cfg))
-    label = f"HF dataset {cfg.name!r}" + (f" ({cfg.subset})" if cfg.subset else "") + f" split {split!r}"
+    label = _hf_label(cfg, split)
     try:
         ds = datasets.load_dataset(cfg.name, cfg.subset, split=split, streaming=streaming)
     except Exception as error:  # datasets raises many types (ConnectionError, FileNotFoundError, ValueError, ...)
@@ -186,3 +186,7 @@ def open_hf(cfg, split: str, streaming: bool) -> HFSource:
         raise ValueError(f"{label} could not be loaded ({reason}); check data.name / subset / split, "
                          "or use source: files or embedded offline") from error
     return HFSource(ds, cfg.text_column, label)
+
+
+def _hf_label(cfg, split: str) -> str:
+    return f"HF dataset {cfg.name!r}" + (f" ({cfg.subset})" if cfg.subset else "") + f" split {split!r}"

@@ -25,7 +25,11 @@ class _IndexedStreams:
         self.plan, self.rank, self.world_size, self.micro_batch_size = plan, rank, world_size, micro_batch_size
 
     def state_for(self, j: int, n: int, consumed: int) -> dict:
+        """Stream j's next step once `consumed` batches are out: the first t >= consumed with t = j mod n."""
         return {"step": consumed + (j - consumed) % n}
+
+    def initial_state(self, j: int, n: int) -> dict:
+        return self.state_for(j, n, 0)
 
     def batches(self, j: int, n: int, state: dict):
         step, S, B = state["step"], self.plan.seq_len, self.micro_batch_size
@@ -44,12 +48,13 @@ class _StreamingStreams:
         self.source, self.tokenizer, self.rank, self.world_size = source, tokenizer, rank, world_size
         self.seq_len, self.micro_batch_size, self.exclude = seq_len, micro_batch_size, exclude
 
-    def packer(self, j: int, n: int) -> StreamPacker:
-        return StreamPacker(self.source, self.tokenizer, self.seq_len, self.micro_batch_size,
-                            stream=self.rank * n + j, n_streams=self.world_size * n, exclude=self.exclude)
+    def initial_state(self, j: int, n: int) -> dict:
+        return StreamPacker.initial_state()
 
     def batches(self, j: int, n: int, state: dict):
-        yield from self.packer(j, n).batches(state)
+        packer = StreamPacker(self.source, self.tokenizer, self.seq_len, self.micro_batch_size,
+                              stream=self.rank * n + j, n_streams=self.world_size * n, exclude=self.exclude)
+        yield from packer.batches(state)
 
 
 class _WorkerStreams(torch.utils.data.IterableDataset):
@@ -73,13 +78,8 @@ class TrainLoader:
         self.streams, self.num_workers, self.fingerprint = streams, num_workers, fingerprint
         self.n = max(1, num_workers)
         self.consumed = 0
-        self.states = [self._initial_state(j) for j in range(self.n)]
-        self._iterator = None
-
-    def _initial_state(self, j: int) -> dict:
-        if self.streams.kind == "indexed":
-            return self.streams.state_for(j, self.n, 0)
-        return StreamPacker.initial_state()
+        self.states = [streams.initial_state(j, self.n) for j in range(self.n)]
+        self._iterator = None  # started on the first next(), restarted by load_state_dict
 
     def __iter__(self):
         return self

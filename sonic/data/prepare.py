@@ -9,7 +9,6 @@ Resumable: finished shards stay, and a rerun with the same arguments continues a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import io
 import itertools
