@@ -127,7 +127,11 @@ class TrainLoader:
 
 class ValLoader:
     """Finite, fixed validation batches for one rank: every held-out token is a target exactly once over
-    all ranks; ranks get equally many batches, padded with fully ignored rows (labels -100)."""
+    all ranks; ranks get equally many batches, padded with fully ignored rows (labels -100).
+
+    Windows go to ranks row by row (window (k*B + b)*world + rank), so the last batch's real rows are
+    spread over ranks and a rank sees a batch without any target only when fewer windows than ranks remain.
+    """
 
     def __init__(self, corpus: TokenCorpus, docs: np.ndarray, seq_len: int, micro_batch_size: int,
                  rank: int, world_size: int):
@@ -146,7 +150,7 @@ class ValLoader:
         for k in range(self.n_batches):
             rows, valid = [], []
             for b in range(B):
-                w = (k * self.world_size + self.rank) * B + b
+                w = (k * B + b) * self.world_size + self.rank
                 if w < len(self.windows):
                     start, n = self.windows[w]
                     tokens, eos = self.layout.read(start, n + 1)

@@ -152,6 +152,7 @@ def test_validation_is_fixed_finite_and_covers_held_out_tokens_once(word_corpus)
     stream = [t for d in held for t in tok.encode(d) + [tok.eos_token_id]]
     assert targets == Counter(stream[1:]) and inputs == Counter(stream[:-1])
     assert sum(targets.values()) == vals[0].tokens
+    assert all((b["labels"] != -100).any() for v in vals for b in v), "no rank gets a batch without targets"
 
 
 def test_bad_arguments(word_corpus):
