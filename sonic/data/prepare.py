@@ -9,6 +9,7 @@ Resumable: finished shards stay, and a rerun with the same arguments continues a
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import io
 import itertools
@@ -40,6 +41,17 @@ def _tokenize(tokenizer, task):
 
 def _tokenize_in_worker(task):
     return _tokenize(_worker_tokenizer[0], task)
+
+
+def _bounded_imap(pool, tasks, depth: int):
+    """Ordered results with at most `depth` chunks in flight: Pool.imap would read the whole corpus ahead."""
+    pending = collections.deque()
+    for task in tasks:
+        pending.append(pool.apply_async(_tokenize_in_worker, (task,)))
+        if len(pending) >= depth:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 def _chunks(cfg, index: dict, max_docs: int | None, chunk_docs: int):
@@ -152,15 +164,17 @@ def prepare(cfg: DataConfig, out: str, procs: int = 0, shard_tokens: int = 100_0
     bar = tqdm(desc=f"prepare {out}", unit=" docs", initial=index["docs_read"], disable=not progress)
     pool = mp.get_context().Pool(procs, _init_worker, (cfg.tokenizer,)) if procs > 0 else None
     tasks = _chunks(cfg, index, max_docs, chunk_docs)
-    results = pool.imap(_tokenize_in_worker, tasks) if pool else (_tokenize(tokenizer, t) for t in tasks)
+    results = _bounded_imap(pool, tasks, 4 * procs) if pool else (_tokenize(tokenizer, t) for t in tasks)
     empty, position = 0, {"docs_read": index["docs_read"], "resume": index["resume"]}
+    done_tokens = sum(s["tokens"] for s in index["shards"])
     try:
         for tokens, lengths, n_empty, n_read, position in results:
             writer.add(tokens, lengths)
             empty += n_empty
             bar.update(n_read)
-            bar.set_postfix(shards=len(index["shards"]), tokens=f"{writer.tokens:,}")
+            bar.set_postfix(shards=len(index["shards"]), tokens=f"{done_tokens + writer.tokens:,}")
             if writer.tokens >= shard_tokens:
+                done_tokens += writer.tokens
                 writer.publish(position, empty)
                 empty = 0
         if not index["shards"] and not writer.tokens:
