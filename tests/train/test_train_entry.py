@@ -1,0 +1,88 @@
+"""train.py end to end in subprocesses: smoke run, kill -9 and exact resume, bad input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["model.num_layers=2", "train.micro_batch_size=4", "train.seq_len=64", "train.progress=false",
+        "train.eval_batches=2"]
+
+
+def run_train(*overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *FAST, *overrides], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, check=check)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss; a step logged twice (before a kill and after resume) keeps the last."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out[rec["step"]] = rec["loss"]
+    return out
+
+
+def test_smoke_run_writes_metrics_and_checkpoint(tmp_path):
+    proc = run_train("train.steps=4", "train.log_every=2", "train.eval_every=4", f"train.run_dir={tmp_path}")
+    assert "step 4" in proc.stderr + proc.stdout
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [2, 4]
+    assert "val_loss" in recs[-1] and recs[-1]["tokens_per_s_per_gpu"] > 0
+    assert (tmp_path / "checkpoints" / "step_00000004" / "meta.json").is_file()
+
+
+@pytest.mark.slow
+def test_kill_and_resume_reproduces_the_uninterrupted_losses(tmp_path):
+    common = ["train.steps=10", "train.log_every=1", "train.save_every=3", "train.eval_every=0"]
+    run_train(*common, f"train.run_dir={tmp_path / 'straight'}")
+    expected = losses(tmp_path / "straight")
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "train.py", *FAST, *common, f"train.run_dir={killed}"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "step_00000006" / "meta.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its second checkpoint"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "checkpoints" / "step_00000010").exists()
+
+    resumed = run_train(*common, f"train.run_dir={killed}")
+    assert "resumed from" in resumed.stderr + resumed.stdout
+    assert losses(killed) == expected  # bit-exact, every step
+
+
+def test_resume_auto_ignores_incomplete_checkpoints(tmp_path):
+    run_train("train.steps=2", "train.save_every=1", "train.eval_every=0", f"train.run_dir={tmp_path}")
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / "step_00000003.tmp").mkdir()  # a save that crashed midway
+    (ckpts / "step_00000004").mkdir()  # no meta.json: incomplete
+    proc = run_train("train.steps=3", "train.eval_every=0", f"train.run_dir={tmp_path}")
+    assert "step_00000002 at step 2" in proc.stderr + proc.stdout
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    run_train("train.steps=1", "train.eval_every=0", f"train.run_dir={tmp_path}")
+    for f in (tmp_path / "checkpoints" / "step_00000001").glob("*.distcp"):
+        f.write_bytes(b"garbage")
+    proc = run_train("train.steps=2", f"train.run_dir={tmp_path}", check=False)
+    assert proc.returncode != 0
+    assert "corrupt" in proc.stderr and "train.resume=none" in proc.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model=nope", "nope"),
+    ("model.dim=130", "num_heads"),
+    ("model.moe.top_k=9", "top_k"),
+    ("data.source=files", "paths"),
+])
+def test_bad_input_fails_with_one_clear_message(override, message, tmp_path):
+    proc = run_train(override, f"train.run_dir={tmp_path}", check=False)
+    assert proc.returncode != 0 and message in proc.stderr
