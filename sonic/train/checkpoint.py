@@ -131,7 +131,7 @@ class Checkpointer:
             state = {"model": msd, "optim": osd}
             dcp.load(state, checkpoint_id=str(path))
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        except Exception as err:  # noqa: BLE001 - any corruption gets the same actionable message
+        except (Exception, dcp.api.CheckpointException) as err:  # noqa: BLE001 - DCP's is a BaseException
             raise ValueError(f"checkpoint {path} is corrupt or incompatible with this model ({err}); "
                              f"delete it to fall back to an older one, or set train.resume=none") from err
         same_world = meta["world_size"] == _world()
