@@ -139,7 +139,9 @@ def compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config 
         return _compiled(kind, dtype, D, N, E, cfg, num_sms() if torch.cuda.is_available() else 132)
 
 
-DEFAULTS = {"up": "co256", "down": "co256", "dh": "co256", "dx": "co256", "dw1": "co128", "dw2": "co128"}
+# Fastest on the 7B shape (H200 sweep, bench/results/2026-11-22-h200-cute-7b-sweep.json):
+# ping-pong wherever the epilogue is heavy relative to a short K loop, 256-wide tiles otherwise.
+DEFAULTS = {"up": "co256", "down": "pp128", "dh": "pp128", "dx": "pp128", "dw1": "co256", "dw2": "co256"}
 
 
 def default_config(kind: str, D: int, N: int) -> Config:
