@@ -85,10 +85,11 @@ def load_tokenizer(name: str) -> ByteTokenizer | HFTokenizer:
     from transformers import AutoTokenizer
 
     fix = "use tokenizer: byte (needs no files) or a local tokenizer directory"
+    path = os.path.expanduser(name)
     try:
-        hf = AutoTokenizer.from_pretrained(name, local_files_only=True)
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as local_error:
-        looks_local = os.path.isdir(name) or name.startswith(("/", ".", "~"))
+        looks_local = os.path.isdir(path) or name.startswith(("/", ".", "~"))
         if looks_local or constants.HF_HUB_OFFLINE:
             raise ValueError(f"data.tokenizer={name!r} cannot be loaded offline ({_first_line(local_error)}); "
                              f"{fix}") from local_error
