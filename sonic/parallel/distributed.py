@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass
 
 import torch
@@ -48,11 +49,24 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(cfg: ParallelConfig, device: str) -> DistInfo:
-    """Join the process group that torchrun (or srun torchrun) describes in RANK/WORLD_SIZE/...
+def slurm_rendezvous() -> None:
+    """Without torchrun, e.g. under Hydra's submitit launcher, srun starts one task per GPU:
+    translate srun's variables into the env:// rendezvous of torch.distributed."""
+    env = os.environ
+    if "RANK" in env or int(env.get("SLURM_STEP_NUM_TASKS", "1")) <= 1:
+        return  # torchrun's variables, or a single process (the batch script itself sets no STEP_ variables)
+    nodes = env["SLURM_STEP_NODELIST"]
+    head = nodes if not any(c in nodes for c in "[,") else subprocess.run(
+        ["scontrol", "show", "hostnames", nodes], check=True, capture_output=True, text=True).stdout.split()[0]
+    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_STEP_NUM_TASKS"], LOCAL_RANK=env["SLURM_LOCALID"])
+    env.setdefault("MASTER_ADDR", head)
+    env.setdefault("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 20000))
 
-    One process without those variables runs unsharded (mesh None).
-    """
+
+def init_distributed(cfg: ParallelConfig, device: str) -> DistInfo:
+    """Join the process group that torchrun describes in RANK/WORLD_SIZE/... (or srun: see
+    `slurm_rendezvous`). One process without those variables runs unsharded (mesh None)."""
+    slurm_rendezvous()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

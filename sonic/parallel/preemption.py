@@ -1,10 +1,14 @@
-"""Preemption: on SIGUSR1 or SIGTERM, every rank stops at the same step boundary.
+"""Preemption: on SIGUSR1, SIGUSR2 or SIGTERM, every rank stops at the same step boundary.
 
-Slurm sends SIGUSR1 ahead of the time limit (`--signal=B:USR1@N`; scripts/slurm/train.sbatch
-forwards it through srun and torchrun) and SIGTERM on scancel, requeue or preemption. The
-handler only records the signal; `stop_requested()` takes the MAX of that flag over all
+Who sends what: Slurm sends SIGUSR1 ahead of the time limit (`--signal=B:USR1@N`;
+scripts/slurm/train.sbatch forwards it through srun and torchrun), submitit sends SIGUSR2
+(Hydra's submitit launcher), and Slurm sends SIGTERM on scancel, requeue or preemption.
+
+The handler only records the signal; `stop_requested()` takes the MAX of that flag over all
 ranks at a step boundary, so all ranks save the same step and leave together even when the
-signal reached them during different steps.
+signal reached them during different steps. Once the run has saved and cleaned up,
+`hand_on()` calls the handler that was installed before ours, if any: submitit's requeues
+the job and exits.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from sonic.parallel.distributed import all_reduce_
 
 log = logging.getLogger("sonic")
 
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 
 
 class PreemptionGuard:
@@ -31,7 +35,7 @@ class PreemptionGuard:
 
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is not threading.main_thread():
-            log.warning("not in the main thread: SIGUSR1/SIGTERM will not trigger a checkpoint")
+            log.warning("not in the main thread: preemption signals will not trigger a checkpoint")
             return self
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
@@ -40,7 +44,6 @@ class PreemptionGuard:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
         self.received = signal.Signals(signum)
@@ -49,3 +52,9 @@ class PreemptionGuard:
         """True on every rank once any rank got a signal (a collective: call on all ranks)."""
         flag = torch.tensor([0.0 if self.received is None else 1.0], device=self.device)
         return bool(all_reduce_(flag, "max").item())
+
+    def hand_on(self) -> None:
+        """Pass the signal this rank got to the handler installed before ours (e.g. submitit's)."""
+        previous = self._previous.get(self.received)
+        if callable(previous):
+            previous(self.received, None)

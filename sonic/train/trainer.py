@@ -125,6 +125,7 @@ def train(cfg: Config) -> list[dict]:
     # --- the loop -----------------------------------------------------------------------
     model.train()
     bias_update = cfg.model.moe.routing.bias_update_rate > 0
+    preempted = False
     with logging_redirect_tqdm(), PreemptionGuard(device) as preemption:
         last_step, last_time = step, time.perf_counter()
         while step < t.steps:
@@ -185,16 +186,20 @@ def train(cfg: Config) -> list[dict]:
             saved = bool(t.save_every) and (step % t.save_every == 0 or step == t.steps)
             if saved:
                 save(step)
-            if preemption.stop_requested():  # SIGUSR1/SIGTERM on any rank: save, leave, get requeued
+            if preemption.stop_requested():  # a signal on any rank: save, leave, get requeued
                 if not saved:
                     save(step)
-                log.warning("stopped at step %d on a preemption signal; train.resume=auto continues from here", step)
+                if info.is_main:
+                    log.warning("stopped at step %d on a preemption signal; train.resume=auto continues here", step)
+                preempted = True
                 break
             if saved:
                 last_step, last_time = step, time.perf_counter()
     bar.close()
     logger.close()
     info.shutdown()
+    if preempted:
+        preemption.hand_on()  # e.g. submitit's handler: requeue the job, then exit
     return history
 
 
