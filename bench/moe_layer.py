@@ -167,16 +167,21 @@ def tflops(shape, t) -> dict:
             "fwdbwd_tf": 18 * unit / t["fwdbwd_ms"]}
 
 
-def profile_triton(layer, dout, steps=3) -> list[dict]:
-    """Per-kernel GPU time (ms per fwd+bwd) of the layer, largest first."""
+def profile_triton(layer, leaves, dout, steps=3) -> list[dict]:
+    """Per-kernel GPU time (ms per fwd+bwd) of the layer, largest first (grads reset, as timed)."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(2):
+    def step():
+        for t in leaves:
+            t.grad = None
         layer().backward(dout)
+
+    for _ in range(2):
+        step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            layer().backward(dout)
+            step()
         torch.cuda.synchronize()
     rows = []
     for ev in prof.key_averages():
@@ -227,7 +232,7 @@ def run_config(name, shape, backends, official, run_official, args) -> dict:
             rec.update(tflops(shape, rec))
             rec["held_bytes"] = held_bytes(layer)
             if args.profile and bname == "triton":
-                rec["profile"] = profile_triton(layer, p.dout)
+                rec["profile"] = profile_triton(layer, leaves, p.dout)
             for t in leaves:
                 t.grad = None
             worst = max(rec["check"].values())

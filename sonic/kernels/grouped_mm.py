@@ -31,11 +31,11 @@ def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
     ends_E = plan.expert_offsets_E1[1:]  # _grouped_mm takes each group's end row
     x_RD = x_TD[tok]  # materialised gather
     h_RF = torch._grouped_mm(x_RD, w1_EFD.transpose(-2, -1), offs=ends_E)
-    if b1_EF is not None:
-        h_RF = h_RF + b1_EF[plan.expert_idx_R.long()]
+    if b1_EF is not None:  # biases gathered in fp32 so that their gradient sums in fp32
+        h_RF = (h_RF.float() + b1_EF.float()[plan.expert_idx_R.long()]).to(x_TD.dtype)
     a_RN = swiglu(h_RF).to(x_TD.dtype)
     y_RD = torch._grouped_mm(a_RN, w2_EDN.transpose(-2, -1), offs=ends_E)
     if b2_ED is not None:
-        y_RD = y_RD + b2_ED[plan.expert_idx_R.long()]
+        y_RD = (y_RD.float() + b2_ED.float()[plan.expert_idx_R.long()]).to(x_TD.dtype)
     weighted_RD = (y_RD.float() * plan.scores_R.float()[:, None]).to(x_TD.dtype)
     return torch.zeros_like(x_TD).index_add_(0, tok, weighted_RD)

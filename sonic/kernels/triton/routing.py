@@ -10,10 +10,11 @@ and `plan = plan_from_topk(expert_idx_TK, scores_TK, E)` from this module: the p
 field-for-field the one sonic.routing.plan.plan_from_topk builds, and scores_R keeps its
 autograd history.
 
-The plan is a counting sort: tokens are cut into chunks of BT; per (chunk, expert block)
-a one-hot (BT x BE) tile and its cumulative sum along tokens give each pair's rank among
-the chunk's pairs of the same expert; a scan over chunks and the expert offsets turn
-ranks into rows, sorted by expert then token, exactly as build_plan's argsort would.
+The plan is a two-level counting sort: tokens are cut into chunks of BT; per chunk the
+pairs are counted per expert (integer atomics), a scan over chunks gives each (chunk,
+expert) its first row, and each chunk sorts its own (expert, token) keys in registers to
+rank its pairs within an expert. Rows come out sorted by expert then token, exactly as
+build_plan's argsort would, with a cost independent of E.
 """
 from __future__ import annotations
 
@@ -100,26 +101,16 @@ def topk_softmax(logits_TE: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return _TopKSoftmax.apply(logits_TE, k)
 
 
-@triton.jit
-def _onehot_rank(idx_TK, c, eb, T, K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
-    """One-hot (BT, BE) of chunk c's tokens over expert block eb, and its inclusive cumsum."""
-    t = c * BT + tl.arange(0, BT)
-    tm = t < T
-    e = eb * BE + tl.arange(0, BE)
-    hot = tl.zeros((BT, BE), tl.int32)
-    for k in tl.static_range(K):
-        ek = tl.load(idx_TK + t.to(tl.int64) * K + k, mask=tm, other=-1)
-        hot += (ek[:, None] == e[None, :]).to(tl.int32)
-    return t, tm, e, hot, tl.cumsum(hot, axis=0)
-
-
 @triton.jit(do_not_specialize=["T"])
 def _count_kernel(idx_TK, counts_CE, T, E: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                  BE: tl.constexpr):
+                  KP: tl.constexpr):
+    """counts[c, e] = pairs of chunk c routed to e (integer atomics: exact, order-free)."""
     c = tl.program_id(0)
-    eb = tl.program_id(1)
-    t, tm, e, hot, _ = _onehot_rank(idx_TK, c, eb, T, K, BT, BE)
-    tl.store(counts_CE + c.to(tl.int64) * E + e, tl.sum(hot, axis=0), mask=e < E)
+    t = c * BT + tl.arange(0, BT)
+    k = tl.arange(0, KP)
+    m = (t < T)[:, None] & (k < K)[None, :]
+    e = tl.load(idx_TK + t.to(tl.int64)[:, None] * K + k[None, :], mask=m, other=0)
+    tl.atomic_add(counts_CE + c.to(tl.int64) * E + e, tl.full((BT, KP), 1, tl.int32), mask=m, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["C"])
@@ -152,30 +143,64 @@ def _expert_offsets_kernel(total_E, expert_offsets_E1, E: tl.constexpr, BE: tl.c
         carry += tl.sum(v, axis=0)
 
 
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _scatter_kernel(idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_R, order_R,
                     rows_by_token_R, T, E: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                    BE: tl.constexpr):
-    """Row of every (token, k) whose expert lies in this block; fill the plan's index arrays."""
+                    KP: tl.constexpr):
+    """Rows of chunk c's pairs: sort the chunk's (expert, token, k, slot) keys in registers.
+
+    After the sort a pair's rank among the chunk's pairs of its expert is its position
+    minus the position where its expert's run starts; the row is then
+    expert_offsets[e] + base[c, e] (earlier chunks) + that rank. slot = the rank of the
+    expert among the token's K, which orders rows_by_token like build_plan's stable argsort.
+    """
     c = tl.program_id(0)
-    eb = tl.program_id(1)
-    t, tm, e, hot, incl = _onehot_rank(idx_TK, c, eb, T, K, BT, BE)
-    em = e < E
-    base = tl.load(base_CE + c.to(tl.int64) * E + e, mask=em, other=0) + \
-        tl.load(expert_offsets_E1 + e, mask=em, other=0)
-    row_TE = base[None, :] + incl - 1  # valid where hot
+    t = c * BT + tl.arange(0, BT)
+    k = tl.arange(0, KP)
     t64 = t.to(tl.int64)
-    for k in tl.static_range(K):
-        ek = tl.load(idx_TK + t64 * K + k, mask=tm, other=-1)
-        mine = tm & (ek >= eb * BE) & (ek < eb * BE + BE)
-        row = tl.sum(tl.where(ek[:, None] == e[None, :], row_TE, 0), axis=1)
-        slot = tl.zeros_like(ek)  # rank of this expert among the token's K (rows ascend with it)
-        for k2 in tl.static_range(K):
-            slot += (tl.load(idx_TK + t64 * K + k2, mask=tm, other=-1) < ek).to(tl.int32)
-        tl.store(token_idx_R + row, t, mask=mine)
-        tl.store(expert_idx_R + row, ek, mask=mine)
-        tl.store(order_R + row, t * K + k, mask=mine)
-        tl.store(rows_by_token_R + t64 * K + slot, row, mask=mine)
+    m = (t < T)[:, None] & (k < K)[None, :]
+    e = tl.load(idx_TK + t64[:, None] * K + k[None, :], mask=m, other=0)
+    slot = tl.zeros((BT, KP), tl.int32)
+    for k2 in tl.static_range(K):
+        e2 = tl.load(idx_TK + t64 * K + k2, mask=t < T, other=0)
+        slot += (e2[:, None] < e).to(tl.int32)
+    tloc = tl.arange(0, BT)[:, None]
+    key = ((e * BT + tloc) * KP + k[None, :]) * KP + slot
+    key = tl.where(m, key, 2147483647)
+    key = tl.sort(tl.reshape(key, (BT * KP,)))
+    valid = key != 2147483647
+    slot_s = key % KP
+    k_s = (key // KP) % KP
+    t_s = c * BT + (key // (KP * KP)) % BT
+    e_s = tl.where(valid, key // (KP * KP * BT), 0)
+    pos = tl.arange(0, BT * KP)
+    prev = tl.gather(e_s, tl.maximum(pos - 1, 0), 0)
+    first = tl.associative_scan(tl.where((pos == 0) | (e_s != prev), pos, 0), 0, _max_combine)
+    row = tl.load(expert_offsets_E1 + e_s, mask=valid, other=0) + \
+        tl.load(base_CE + c.to(tl.int64) * E + e_s, mask=valid, other=0) + pos - first
+    tl.store(token_idx_R + row, t_s, mask=valid)
+    tl.store(expert_idx_R + row, e_s, mask=valid)
+    tl.store(order_R + row, t_s * K + k_s, mask=valid)
+    tl.store(rows_by_token_R + t_s.to(tl.int64) * K + slot_s, row, mask=valid)
+
+
+class _Permute(torch.autograd.Function):
+    """out_R = src[order_R] for a permutation: the backward is a plain scatter (no sort, no atomics)."""
+
+    @staticmethod
+    def forward(ctx, src: Tensor, order_R: Tensor):
+        ctx.save_for_backward(order_R)
+        return src[order_R]
+
+    @staticmethod
+    def backward(ctx, grad_R: Tensor):
+        (order_R,) = ctx.saved_tensors
+        return torch.empty_like(grad_R).index_copy_(0, order_R, grad_R), None
 
 
 def plan_from_topk(expert_idx_TK: Tensor, scores_TK: Tensor, num_experts: int) -> RoutingPlan:
@@ -193,26 +218,27 @@ def plan_from_topk(expert_idx_TK: Tensor, scores_TK: Tensor, num_experts: int) -
     idx_TK = expert_idx_TK.to(torch.int32).contiguous()
     R = T * K
     be = max(16, min(128, triton.next_power_of_2(E)))
-    bt = 64
+    kp = max(2, triton.next_power_of_2(K))
+    bt = max(16, 1024 // kp)  # a chunk sorts bt * kp keys
     C, EB = triton.cdiv(T, bt), triton.cdiv(E, be)
-    counts_CE = _alloc((C, E), torch.int32, dev)
+    counts_CE = torch.zeros((C, E), dtype=torch.int32, device=dev)  # atomics accumulate into it
     base_CE = _alloc((C, E), torch.int32, dev)
     total_E = _alloc((E,), torch.int32, dev)
     expert_offsets_E1 = _alloc((E + 1,), torch.int32, dev)
     token_idx_R, expert_idx_R, order_R, rows_by_token_R = (_alloc((R,), torch.int32, dev) for _ in range(4))
     if T:
-        _count_kernel[(C, EB)](idx_TK, counts_CE, T, E=E, K=K, BT=bt, BE=be, num_warps=4)
+        _count_kernel[(C,)](idx_TK, counts_CE, T, E=E, K=K, BT=bt, KP=kp, num_warps=4)
         _scan_chunks_kernel[(EB,)](counts_CE, base_CE, total_E, C, E=E, BC=32, BE=be, num_warps=4)
     else:
         total_E.zero_()
     _expert_offsets_kernel[(1,)](total_E, expert_offsets_E1, E=E,
                                  BE=max(16, min(4096, triton.next_power_of_2(E))), num_warps=4)
     if T:
-        _scatter_kernel[(C, EB)](idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_R, order_R,
-                                 rows_by_token_R, T, E=E, K=K, BT=bt, BE=be, num_warps=4)
+        _scatter_kernel[(C,)](idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_R, order_R,
+                              rows_by_token_R, T, E=E, K=K, BT=bt, KP=kp, num_warps=8)
     token_offsets_T1 = torch.arange(0, R + 1, K, dtype=torch.int32, device=dev)
     return RoutingPlan(token_idx_R=token_idx_R, expert_idx_R=expert_idx_R,
-                       scores_R=scores_TK.reshape(-1)[order_R.long()],
+                       scores_R=_Permute.apply(scores_TK.reshape(-1), order_R.long()),
                        expert_offsets_E1=expert_offsets_E1, token_offsets_T1=token_offsets_T1,
                        rows_by_token_R=rows_by_token_R)
 
