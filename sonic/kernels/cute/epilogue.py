@@ -171,17 +171,30 @@ class DSwiGLUEpilogue:
             ds[q] = Float32(0.0)
         dh_elems = _staging_elems(bm, 2 * en)
         ap_elems = _staging_elems(bm, en)
-        for j in cutlass.range_constexpr(bn // en):
-            base = (j % 2) * (dh_elems + ap_elems)
-            sDH = _staging(ctx.sEpi, base, bm, 2 * en)
-            sAp = _staging(ctx.sEpi, base + dh_elems, bm, en)
+
+        def load_h(j):
+            """Issue the H loads of sub-tile j (4 bf16 behind each register pair)."""
+            regs = []
             for i, r, c in ctx.pairs(j):
-                q = 2 * (i // (bn // 2)) + (i // 2) % 2
                 # clamp to a valid row / column group: those values only feed masked stores
                 hcol = cutlass.min(2 * (col0 + j * en + c), mH.shape[1] - 4) - 2 * col0
                 hrow = _aligned(cute.local_tile(gH[cutlass.min(r, last), None], (4,), (hcol // 4,)), 8)
                 h = cute.make_rmem_tensor((4,), BFloat16)
                 cute.autovec_copy(hrow, h)
+                regs.append(h)
+            return regs
+
+        h_next = load_h(0)
+        for j in cutlass.range_constexpr(bn // en):
+            h_cur = h_next
+            if const_expr(j + 1 < bn // en):
+                h_next = load_h(j + 1)  # in flight while sub-tile j is computed and stored
+            base = (j % 2) * (dh_elems + ap_elems)
+            sDH = _staging(ctx.sEpi, base, bm, 2 * en)
+            sAp = _staging(ctx.sEpi, base + dh_elems, bm, en)
+            for p_, (i, r, c) in enumerate(ctx.pairs(j)):
+                q = 2 * (i // (bn // 2)) + (i // 2) % 2
+                h = h_cur[p_]
                 for k in cutlass.range_constexpr(2):
                     gate = h[2 * k].to(Float32)
                     up = h[2 * k + 1].to(Float32)
