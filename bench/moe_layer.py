@@ -361,18 +361,25 @@ def main(argv=None):
         print(f"[skip] official sonic-moe: {why}")
     official_on = set(args.official_configs.split(",")) if official else set()
 
-    results = [run_config(c, CONFIGS[c], backends, official, c in official_on, args) for c in configs]
-    sweep = []
+    path = result_path("moe_layer", args.json)
+    results, sweep = [], []
+
+    def save():  # after every config, so a run cut short still leaves its numbers
+        payload = {"configs": results, "sparse_sweep": sweep, "official_readme_h100": OFFICIAL_README,
+                   "official_unavailable": why}
+        if "triton" in backends:
+            from sonic.kernels.triton import tuning
+            payload["triton_configs"] = {"/".join(map(str, k)): vars(v) for k, v in tuning.chosen().items()}
+            payload["triton_tune_log"] = [{"key": "/".join(map(str, k)), "winner": str(w), "ms": t}
+                                          for k, w, t in tuning.tune_log]
+        write_json(path, payload)
+
+    for c in configs:
+        results.append(run_config(c, CONFIGS[c], backends, official, c in official_on, args))
+        save()
     if args.sparse_sweep:
         sweep = sparse_sweep([b for b in args.sweep_backends.split(",") if b in backends], args)
-    payload = {"configs": results, "sparse_sweep": sweep, "official_readme_h100": OFFICIAL_README,
-               "official_unavailable": why}
-    if "triton" in backends:
-        from sonic.kernels.triton import tuning
-        payload["triton_configs"] = {"/".join(map(str, k)): vars(v) for k, v in tuning.chosen().items()}
-        payload["triton_tune_log"] = [{"key": "/".join(map(str, k)), "winner": str(w), "ms": t}
-                                      for k, w, t in tuning.tune_log]
-    path = write_json(result_path("moe_layer", args.json), payload)
+        save()
     print("\n" + summary(results, sweep))
     print(f"\nwrote {path}")
 

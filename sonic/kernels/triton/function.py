@@ -69,12 +69,10 @@ def up_proj(x_TD, w1_EFD, b1_EF, token_idx_R, maps: _Maps, key) -> tuple[Tensor,
         tm = maps(cfg.bm)
         grid = (tm.max_tiles * triton.cdiv(F, cfg.bn),)
         gemm.up_proj_kernel[grid](x_TD, token_idx_R, w1_EFD, b1_EF if b1_EF is not None else w1_EFD,
-                                  h_RF, a_RN, *tm.args(maps.off), R, D=D, F=F,
-                                  HAS_BIAS=b1_EF is not None, **cfg.kwargs())
+                                  h_RF, a_RN, *tm.args(maps.off), R, D, F,
+                                  HAS_BIAS=b1_EF is not None, EVEN_K=D % cfg.bk == 0, **cfg.kwargs())
 
-    # bn counts H columns; the kernel splits it into bn/2 gate + bn/2 up rows (>= 16 each)
-    cfg = tuning.choose("up", key, run, lambda c: tuning.fit(
-        tuning.Config(c.bm, max(32, c.bn), c.bk, c.warps, c.stages), F, D))
+    cfg = tuning.choose("up", key, run, lambda c: tuning.halves(tuning.fit(c, F, D)))
     run(cfg)
     return h_RF, a_RN
 
@@ -87,9 +85,9 @@ def varlen_m(a_RK, b_EKN, stride_bk, stride_bn, N, bias_EN, maps: _Maps, kernel:
         tm = maps(cfg.bm)
         grid = (tm.max_tiles * triton.cdiv(N, cfg.bn),)
         gemm.varlen_m_gemm_kernel[grid](a_RK, b_EKN, bias_EN if bias_EN is not None else b_EKN, out_RN,
-                                        *tm.args(maps.off), R, K=K, N=N, stride_bk=stride_bk,
-                                        stride_bn=stride_bn, HAS_BIAS=bias_EN is not None,
-                                        **cfg.kwargs())
+                                        *tm.args(maps.off), R, K, N, stride_bk, stride_bn,
+                                        HAS_BIAS=bias_EN is not None, EVEN_K=K % cfg.bk == 0,
+                                        EVEN_N=N % cfg.bn == 0, **cfg.kwargs())
 
     cfg = tuning.choose(kernel, key, run, lambda c: tuning.fit(c, N, K))
     run(cfg)
@@ -108,11 +106,12 @@ def dh(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF, maps: _Maps, key):
         ds_part_JR = _alloc((num_n, R), torch.float32, h_RF.device)
         gemm.dh_kernel[(tm.max_tiles * num_n,)](
             dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED if b2_ED is not None else w2_EDN, h_RF,
-            dh_RF, aprime_RN, ds_part_JR, *tm.args(maps.off), R, D=D, N=N,
-            HAS_BIAS=b2_ED is not None, **cfg.kwargs())
+            dh_RF, aprime_RN, ds_part_JR, *tm.args(maps.off), R, D, N,
+            HAS_BIAS=b2_ED is not None, EVEN_K=D % cfg.bk == 0, EVEN_N=N % cfg.bn == 0,
+            **cfg.kwargs())
         result["ds_part"] = ds_part_JR
 
-    cfg = tuning.choose("dh", key, run, lambda c: tuning.fit(c, N, D))
+    cfg = tuning.choose("dh", key, run, lambda c: tuning.halves(tuning.fit(c, N, D)))
     run(cfg)
     ds_R = result["ds_part"].sum(0)  # fixed-order sum over column tiles: deterministic
     return dh_RF, aprime_RN, ds_R
@@ -132,8 +131,8 @@ def varlen_k(p_XI, p_idx_R, q_YJ, q_idx_R, expert_offsets_E1, out_dtype, weight_
             p_XI, p_idx_R if p_idx_R is not None else expert_offsets_E1, q_YJ,
             q_idx_R if q_idx_R is not None else expert_offsets_E1,
             weight_R if weight_R is not None else p_XI, out_EIJ,
-            bias_EI if bias_EI is not None else out_EIJ, expert_offsets_E1, I=I, J=J,
-            GATHER_P=p_idx_R is not None, GATHER_Q=q_idx_R is not None, BIAS_GRAD=bias_grad,
+            bias_EI if bias_EI is not None else out_EIJ, expert_offsets_E1, I, J,
+            EVEN_IJ=I % cfg.bm == 0 and J % cfg.bn == 0, GATHER_P=p_idx_R is not None, GATHER_Q=q_idx_R is not None, BIAS_GRAD=bias_grad,
             WEIGHTED=weight_R is not None, **cfg.kwargs())
 
     def adjust(c: tuning.Config) -> tuning.Config:
@@ -151,7 +150,7 @@ def gather_sum(rows_RD: Tensor, plan: RoutingPlan, weight_R: Tensor | None, out_
     block_d = min(triton.next_power_of_2(D), 4096)
     gemm.gather_sum_kernel[(T, triton.cdiv(D, block_d))](
         rows_RD, weight_R if weight_R is not None else rows_RD, plan.token_offsets_T1,
-        plan.rows_by_token_R, out_TD, D=D, WEIGHTED=weight_R is not None, BLOCK_D=block_d, CHUNK=4,
+        plan.rows_by_token_R, out_TD, D, WEIGHTED=weight_R is not None, BLOCK_D=block_d, CHUNK=4,
         num_warps=max(1, min(8, block_d // 256)))
     return out_TD
 

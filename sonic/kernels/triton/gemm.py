@@ -159,6 +159,33 @@ def varlen_m_gemm_kernel(a_RK, b_EKN, bias_EN, out_RN,
                  acc.to(out_RN.dtype.element_ty), mask=om)
 
 
+@triton.jit
+def _dh_epilogue(acc, c0, rows64, rm, s, N, F, h_RF, dh_RF, aprime_RN,
+                 BM: tl.constexpr, HB: tl.constexpr):
+    """dH / A' stores for columns [c0, c0 + HB) of one row tile; returns <dA', A> over them."""
+    cols = c0 + tl.arange(0, HB)
+    om = rm[:, None] & (cols < N)[None, :]
+    # the (BM, 2*HB) slab of H holding these columns' gate/up pairs, loaded contiguously
+    f = 2 * c0 + tl.arange(0, 2 * HB)
+    fm = rm[:, None] & (f < F)[None, :]
+    h = tl.load(h_RF + rows64[:, None] * F + f[None, :], mask=fm, other=0.0)
+    hg, hu = tl.split(tl.reshape(h, (BM, HB, 2)))
+    hg = hg.to(tl.float32)
+    hu = hu.to(tl.float32)
+    sig = tl.sigmoid(hg)
+    silu = hg * sig
+    act = silu * hu
+    tl.store(aprime_RN + rows64[:, None] * N + cols[None, :],
+             (act * s[:, None]).to(aprime_RN.dtype.element_ty), mask=om)
+    ds = tl.sum(acc * act, axis=1)
+    da = acc * s[:, None]
+    dg = (da * hu * (sig + silu * (1.0 - sig))).to(dh_RF.dtype.element_ty)
+    du = (da * silu).to(dh_RF.dtype.element_ty)
+    tl.store(dh_RF + rows64[:, None] * F + f[None, :], tl.reshape(tl.join(dg, du), (BM, 2 * HB)),
+             mask=fm)
+    return ds
+
+
 @triton.jit(do_not_specialize=["R"])
 def dh_kernel(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF,
               dh_RF, aprime_RN, ds_part_JR,
@@ -170,8 +197,11 @@ def dh_kernel(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF,
     Writes dH = dSwiGLU(s*dA', H), A' = s*A (A recomputed from the re-loaded H) and this
     column tile's partial dS = <dA', A>; the partials of a row are summed afterwards in a
     fixed order (deterministic). The n_tile == 0 program adds <dO, b2_e> when biased.
+    The tile is computed as two BN/2 halves with their own accumulators so that the
+    register-heavy epilogue runs on one half at a time (a whole 128x128 tile spills).
     """
     F = 2 * N
+    HB: tl.constexpr = BN // 2
     NUM_N = tl.cdiv(N, BN)
     pid = tl.program_id(0)
     m_tile = pid // NUM_N
@@ -182,51 +212,42 @@ def dh_kernel(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF,
         rows = row0 + tl.arange(0, BM)
         rm = rows < row_end
         tok = tl.load(token_idx_R + tl.minimum(rows, row_end - 1)).to(tl.int64)
-        cols = n_tile * BN + tl.arange(0, BN)
-        cm = cols < N
+        c0 = n_tile * BN
+        cols = c0 + tl.arange(0, HB)
+        c1m = cols < N
+        c2m = cols + HB < N
         offs_k = tl.arange(0, BK)
         a_ptrs = dout_TD + tok[:, None] * D + offs_k[None, :]
-        b_ptrs = w2_EDN + e.to(tl.int64) * D * N + offs_k[:, None] * N + cols[None, :]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        b1_ptrs = w2_EDN + e.to(tl.int64) * D * N + offs_k[:, None] * N + cols[None, :]
+        b2_ptrs = b1_ptrs + HB
+        acc1 = tl.zeros((BM, HB), dtype=tl.float32)
+        acc2 = tl.zeros((BM, HB), dtype=tl.float32)
         dob2 = tl.zeros((BM,), dtype=tl.float32)
         for k in range(0, D, BK):
             km = offs_k < D - k
             if EVEN_K and EVEN_N:
                 a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
+                b1 = tl.load(b1_ptrs)
+                b2 = tl.load(b2_ptrs)
             else:
                 a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
+                b1 = tl.load(b1_ptrs, mask=km[:, None] & c1m[None, :], other=0.0)
+                b2 = tl.load(b2_ptrs, mask=km[:, None] & c2m[None, :], other=0.0)
+            acc1 = tl.dot(a, b1, acc1)
+            acc2 = tl.dot(a, b2, acc2)
             if HAS_BIAS:
                 bias = tl.load(b2_ED + e * D + k + offs_k, mask=km, other=0.0).to(tl.float32)
                 dob2 += tl.sum(a.to(tl.float32) * bias[None, :], axis=1)
             a_ptrs += BK
-            b_ptrs += BK * N
+            b1_ptrs += BK * N
+            b2_ptrs += BK * N
         rows64 = rows.to(tl.int64)
-        om = rm[:, None] & cm[None, :]
         s = tl.load(scores_R + rows, mask=rm, other=0.0).to(tl.float32)
-        # the (BM, 2*BN) slab of H holding this tile's gate/up pairs, loaded contiguously
-        f = n_tile * 2 * BN + tl.arange(0, 2 * BN)
-        fm = rm[:, None] & (f < F)[None, :]
-        h = tl.load(h_RF + rows64[:, None] * F + f[None, :], mask=fm, other=0.0)
-        hg, hu = tl.split(tl.reshape(h, (BM, BN, 2)))
-        hg = hg.to(tl.float32)
-        hu = hu.to(tl.float32)
-        sig = tl.sigmoid(hg)
-        silu = hg * sig
-        act = silu * hu
-        tl.store(aprime_RN + rows64[:, None] * N + cols[None, :],
-                 (act * s[:, None]).to(aprime_RN.dtype.element_ty), mask=om)
-        ds = tl.sum(acc * act, axis=1)
+        ds = _dh_epilogue(acc1, c0, rows64, rm, s, N, F, h_RF, dh_RF, aprime_RN, BM, HB)
+        ds += _dh_epilogue(acc2, c0 + HB, rows64, rm, s, N, F, h_RF, dh_RF, aprime_RN, BM, HB)
         if HAS_BIAS:
             ds += tl.where(n_tile == 0, dob2, 0.0)
         tl.store(ds_part_JR + n_tile.to(tl.int64) * R + rows64, ds, mask=rm)
-        da = acc * s[:, None]
-        dg = (da * hu * (sig + silu * (1.0 - sig))).to(dh_RF.dtype.element_ty)
-        du = (da * silu).to(dh_RF.dtype.element_ty)
-        tl.store(dh_RF + rows64[:, None] * F + f[None, :], tl.reshape(tl.join(dg, du), (BM, 2 * BN)),
-                 mask=fm)
 
 
 @triton.jit

@@ -37,8 +37,9 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
            Config(128, 128, 64, 4, 3)),
     "down": (Config(128, 256, 64, 8, 4), Config(256, 128, 64, 8, 3), Config(128, 128, 64, 8, 4),
              Config(128, 256, 32, 8, 4)),
-    "dh": (Config(128, 64, 64, 8, 4), Config(64, 128, 64, 8, 4), Config(64, 64, 64, 4, 4),
-           Config(128, 64, 32, 8, 5)),
+    # dh computes its tile as two bn/2 halves (one epilogue at a time); bn >= 32
+    "dh": (Config(128, 128, 64, 8, 4), Config(128, 128, 64, 8, 3), Config(64, 128, 64, 8, 4),
+           Config(64, 64, 64, 4, 4)),
     "dxt": (Config(128, 256, 64, 8, 3), Config(128, 256, 64, 8, 4), Config(256, 128, 64, 8, 3),
             Config(128, 128, 64, 8, 4)),
     # varlen-K loads go through a gathered index inside the loop: the pipeliner keeps
@@ -70,6 +71,11 @@ def fit(cfg: Config, n_out: int, k: int) -> Config:
     def cap(v: int, size: int) -> int:
         return max(16, min(v, 1 << max(size - 1, 0).bit_length()))
     return Config(cfg.bm, cap(cfg.bn, n_out), cap(cfg.bk, k), cfg.warps, cfg.stages)
+
+
+def halves(cfg: Config) -> Config:
+    """For kernels that split bn into two dots of bn/2 columns (up, dh): each >= 16 wide."""
+    return Config(cfg.bm, max(32, cfg.bn), cfg.bk, cfg.warps, cfg.stages)
 
 
 def choose(kernel: str, key: tuple, run: Callable[[Config], object],
