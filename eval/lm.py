@@ -31,7 +31,7 @@ class SonicLM(LM):
 
     def __init__(self, checkpoint: str | None = None, model=None, tokenizer=None, batch_size: int | str = 16,
                  device: str | None = None, precision: str = "auto", max_gen_toks: int = 256,
-                 kernel_backend: str = "auto", max_batch_size: int | None = None, seed: int = 0):
+                 kernel_backend: str = "auto", seed: int = 0):
         super().__init__()
         if (checkpoint is None) == (model is None):
             raise ValueError("give the sonic model either checkpoint=<path> or an in-memory model, not both")
