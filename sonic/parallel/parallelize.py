@@ -70,7 +70,11 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, info: DistInfo) -> nn.Mod
         # The last block's parameters are needed again right at the start of backward.
         reshard = cfg.reshard_after_forward and i < len(layers) - 1
         fully_shard(block, mesh=mesh, mp_policy=mp, shard_placement_fn=placement, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    # The root's parameters (embedding / LM head, final norm) are needed again first thing in
+    # backward, so they stay gathered (FSDP's own default for the root). Resharding them would
+    # also need FSDP to find the forward's output tensors to hook the re-gather on, and
+    # FSDP-2 before torch 2.13 does not look inside our ModelOutput dataclass.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     return model
 
 
