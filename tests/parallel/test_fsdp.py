@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -112,7 +113,13 @@ def spawned(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path_factory.mktemp("fsdp") / "results.pt"
-    mp.spawn(_worker, args=(port, str(out)), nprocs=WORLD, join=True)
+    workers = mp.start_processes(_worker, args=(port, str(out)), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + 300
+    while not workers.join(timeout=5):  # raises if a worker failed
+        if time.monotonic() > deadline:
+            for proc in workers.processes:
+                proc.kill()
+            pytest.fail("the FSDP worker processes did not finish within 300 s")
     return torch.load(out, weights_only=False)
 
 
