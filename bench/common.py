@@ -29,8 +29,9 @@ def gpu_name() -> str:
 
 
 def command_line() -> str:
-    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m",
-                                             Path(sys.argv[0]).with_suffix("").name] + sys.argv[1:])
+    main = sys.modules.get("__main__")
+    module = getattr(getattr(main, "__spec__", None), "name", None) or Path(sys.argv[0]).with_suffix("").name
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", module] + sys.argv[1:])
 
 
 def result_path(what: str, explicit: str | None = None) -> Path:

@@ -15,7 +15,6 @@ import torch
 from sonic.kernels import reference
 from sonic.routing.plan import RoutingPlan, build_plan, plan_from_topk
 
-pytestmark = pytest.mark.gpu
 BF16_TOL = 1e-2
 
 
@@ -75,6 +74,7 @@ CASES = {
 }
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
 def test_matches_fp32_reference(case, triton_device, poison):
     from sonic.kernels.triton import experts
@@ -114,6 +114,7 @@ def _saved_bytes(fn) -> tuple[int, torch.Tensor]:
     return sum(seen.values()), out
 
 
+@pytest.mark.gpu
 def test_saves_what_the_reference_saves(triton_device):
     from sonic.kernels.triton import experts
 
@@ -131,6 +132,7 @@ def test_saves_what_the_reference_saves(triton_device):
     assert ours == x.numel() * 2 + plan.num_rows * 2 * N * 2 + plan.nbytes + weights
 
 
+@pytest.mark.gpu
 def test_deterministic(triton_device):
     from sonic.kernels.triton import experts
 
@@ -159,6 +161,7 @@ def _jit_entries() -> int:
     return n
 
 
+@pytest.mark.gpu
 def test_no_recompile_or_retune_across_row_counts(triton_device):
     """Token rounding changes R every step: neither the JIT cache nor the tuner may grow."""
     from sonic.kernels.triton import experts, routing, tuning
@@ -185,6 +188,7 @@ def test_no_recompile_or_retune_across_row_counts(triton_device):
     assert tuning.chosen() == chosen, "a different routed-row count re-tuned"
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("T,E,K", [(1000, 128, 8), (333, 4096, 16), (257, 512, 10), (5, 3, 3)])
 def test_routing_kernels_match_torch(T, E, K, triton_device, poison):
     from sonic.kernels.triton import routing
@@ -208,3 +212,76 @@ def test_routing_kernels_match_torch(T, E, K, triton_device, poison):
         assert a.dtype == b.dtype and torch.equal(a, b), field
     torch.testing.assert_close(ours.scores_R, theirs.scores_R)
     assert ours.scores_R.requires_grad  # the router learns through dS
+
+
+# ------------------------------------------------------------------ CPU: Triton's interpreter
+
+def _interpreter_main() -> None:
+    """Run in a subprocess with TRITON_INTERPRET=1: the kernels' indexing on tiny problems.
+
+    The interpreter has no bf16 dot, so fp32 and fp16 are checked; small tiles (16 rows,
+    32 columns, 16-deep K) give several tiles per expert, ragged tails and several K steps.
+    """
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    if np.lib.NumpyVersion(np.__version__) >= "2.4.0":  # interpreter's int() of 1-element arrays
+        orig = interp._patch_lang_tensor
+
+        def patched(tensor, scope):
+            orig(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        interp._patch_lang_tensor = patched
+
+    from sonic.kernels.triton import experts, routing, tuning
+
+    small = tuning.Config(16, 32, 16, 4, 1)
+    for k in tuning.CANDIDATES:
+        tuning.CANDIDATES[k] = (small,)
+    gen = torch.Generator().manual_seed(0)
+    for T, D, N, E, K, bias, dtype in [(45, 80, 40, 4, 2, True, torch.float16), (33, 64, 48, 6, 6, False, torch.float32),
+                                       (1, 64, 32, 3, 3, True, torch.float32)]:
+        x = torch.randn(T, D, generator=gen).to(dtype)
+        w1, w2 = (torch.randn(E, 2 * N, D, generator=gen) * D ** -0.5).to(dtype), (torch.randn(E, D, N, generator=gen) * N ** -0.5).to(dtype)
+        b1, b2 = ((torch.randn(E, 2 * N, generator=gen) * 0.1).to(dtype), (torch.randn(E, D, generator=gen) * 0.1).to(dtype)) if bias else (None, None)
+        logits = torch.randn(T, E, generator=gen)
+        logits[:, 0] += 2.0  # skewed
+        top, idx = logits.topk(K, dim=-1)
+        plan = plan_from_topk(idx, top.softmax(-1), E)
+        dout = torch.randn(T, D, generator=gen).to(dtype)
+        got = run(experts, x, w1, w2, b1, b2, plan, dout)
+        f64 = lambda t: None if t is None else t.double()  # noqa: E731
+        ref = run(reference.experts, f64(x), f64(w1), f64(w2), f64(b1), f64(b2), plan, dout.double())
+        for name, want in ref.items():
+            if want is not None:
+                err = rel_err(got[name], want)
+                assert err <= (2e-3 if dtype == torch.float16 else 1e-5), (T, D, N, E, K, name, err)
+    for T, E, K in [(600, 50, 5), (130, 200, 7), (65, 16, 16)]:
+        logits = torch.randn(T, E, generator=gen)
+        idx, scores = routing.topk_softmax(logits, K)
+        top, ref_idx = logits.topk(K, dim=-1)
+        assert torch.equal(idx.long(), ref_idx)
+        ours, theirs = routing.plan_from_topk(idx, scores, E), plan_from_topk(ref_idx, top.softmax(-1), E)
+        for field in ("token_idx_R", "expert_idx_R", "expert_offsets_E1", "token_offsets_T1", "rows_by_token_R"):
+            assert torch.equal(getattr(ours, field), getattr(theirs, field)), field
+        torch.testing.assert_close(ours.scores_R, theirs.scores_R)
+    print("interpreter ok")
+
+
+@pytest.mark.slow
+def test_kernels_in_triton_interpreter():
+    """CPU coverage of the kernels' indexing, where Triton is installed (no GPU needed)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", "import tests.kernels.test_triton as t; t._interpreter_main()"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
