@@ -17,6 +17,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from sonic.data import build_loaders, build_tokenizer
+from sonic.kernels import resolve_backend
 from sonic.models import Transformer, flops_per_token, param_counts
 from sonic.parallel import PreemptionGuard, all_reduce_, init_distributed, parallelize, set_gradient_sync
 from sonic.train.checkpoint import Checkpointer
@@ -115,9 +116,9 @@ def train(cfg: Config) -> list[dict]:
     peak = peak_flops(device, t.peak_tflops)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        log.info("model %s: %.3fM params total, %.3fM active; %d rank(s) on %s; backend %s",
+        log.info("model %s: %.3fM params total, %.3fM active; %d rank(s) on %s; kernel backend %s (%s)",
                  cfg.model.name, counts.total / 1e6, counts.active / 1e6, info.world_size, device,
-                 cfg.model.moe.kernel_backend)
+                 resolve_backend(cfg.model.moe.kernel_backend, device), cfg.model.moe.kernel_backend)
     history: list[dict] = []
     metrics_file = run_dir / "metrics.jsonl"
     bar = tqdm(total=t.steps, initial=step, disable=not (t.progress and info.is_main), dynamic_ncols=True)
