@@ -82,6 +82,9 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         model = parallelize(build(backend, 3), ParallelConfig(activation_checkpoint="selective"), info)
         placements = {clean(n): p.placements for n, p in model.named_parameters()}
         results[backend] = (*step(model, ids[:1]), placements)
+    # The root keeps the tied embedding gathered from forward to backward (see parallelize).
+    model(ids[0])
+    results["root gathered after forward"] = not hasattr(model.embed_tokens.weight, "placements")
 
     calls = {"n": 0}
     real = _fsdp_param_group.foreach_reduce
@@ -151,6 +154,10 @@ def test_fsdp_matches_single_process(spawned, backend):
     want_grads, want_norm = reference(backend, 3, 1)
     assert norm == pytest.approx(want_norm, rel=1e-5) and norm > CLIP
     assert_grads_close(grads, want_grads)
+
+
+def test_root_stays_gathered_for_backward(spawned):
+    assert spawned["root gathered after forward"]
 
 
 def test_accumulation_reduces_once_per_step(spawned):
