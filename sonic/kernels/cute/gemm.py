@@ -33,7 +33,8 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Boolean, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -129,9 +130,9 @@ class GroupedGemm:
         """mA (M, K) or (K-view) and mB (N, K, E) in GEMM orientation; see ops.py for the views."""
         self.a_dtype = mA.element_type
         self.b_dtype = mB.element_type
-        self.a_layout = utils.LayoutEnum.from_tensor(mA)
+        self.a_layout = LayoutEnum.from_tensor(mA)
         self.k_even = const_expr(self.spec.varlen == "k" or mA.shape[1] % self.bk == 0)
-        self.b_layout = utils.LayoutEnum.from_tensor(mB)
+        self.b_layout = LayoutEnum.from_tensor(mB)
         tile_mnk = (self.bm, self.bn, self.bk)
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype, self.b_dtype, self.a_layout.sm90_mma_major_mode(),
@@ -194,7 +195,7 @@ class GroupedGemm:
             if const_expr(tma_b is not None):
                 cpasync.prefetch_descriptor(tma_b)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         producer_arrivals = 1 + self.num_gather_threads
         pipe_cls = _PipelineTmaCpAsync if const_expr(self.spec.gather is not None) else pipeline.PipelineTmaAsync
