@@ -8,6 +8,7 @@ Examples:
 import hydra
 from omegaconf import DictConfig
 
+from eval import run_lm_eval
 from sonic.train.config import register_schema, to_config
 from sonic.train.trainer import train
 
@@ -16,7 +17,7 @@ register_schema()
 
 @hydra.main(version_base=None, config_path="configs", config_name="config")
 def main(raw: DictConfig) -> None:
-    train(to_config(raw))
+    train(to_config(raw), lm_eval=run_lm_eval)
 
 
 if __name__ == "__main__":

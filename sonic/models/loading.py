@@ -5,7 +5,7 @@ Accepted paths, so eval and export take the same argument:
   a run directory or a checkpoints directory: its newest complete checkpoint
   a single file model.safetensors / model.pt written by `save_model_file`
   a Hugging Face OLMoE / Qwen3-MoE directory (config.json + safetensors), converted by sonic.models.hf
-The checkpoint layout is read here, not imported from sonic/train, so that models stays below train.
+The checkpoint layout is defined here (models stays below train, which writes it).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException as _CheckpointE
 from sonic.models.config import ModelConfig
 from sonic.models.transformer import Transformer
 
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+STEP_DIR = re.compile(r"^step_(\d{8})$")  # the checkpoint layout, shared with sonic/train/checkpoint.py
 _CONFIG_KEY = "sonic_config"  # safetensors metadata / .pt key holding the config YAML
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -86,10 +86,10 @@ def resolve_checkpoint(path: Path) -> Path:
     if (path / "meta.json").is_file() or (path / "config.json").is_file():
         return path
     for root in (path, path / "checkpoints"):
-        steps = _complete_steps(root)
+        steps = complete_checkpoints(root)
         if steps:
             return steps[-1]
-    hint = " (an incomplete save: no meta.json)" if _STEP_DIR.match(path.name.removesuffix(".tmp")) else ""
+    hint = " (an incomplete save: no meta.json)" if STEP_DIR.match(path.name.removesuffix(".tmp")) else ""
     raise ValueError(f"checkpoint {path} is not a checkpoint{hint}: expected a step_XXXXXXXX directory with "
                      f"meta.json, a run directory holding checkpoints/, a .safetensors/.pt file, or a "
                      f"Hugging Face directory with config.json")
@@ -115,11 +115,12 @@ def save_model_file(path: str | Path, model: Transformer, tokenizer: str | None 
 # --------------------------------------------------------------------------- helpers
 
 
-def _complete_steps(root: Path) -> list[Path]:
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints (step_XXXXXXXX with meta.json) under root, oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
 def _has_tokenizer(directory: Path) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from sonic.kernels import experts
+from sonic.kernels import ExpertsFn, get_experts_fn
 from sonic.models.config import MoEConfig
 from sonic.models.layers import SwiGLUMLP
 from sonic.routing import Router, RouterOutput
@@ -26,6 +26,12 @@ class MoE(nn.Module):
         self.b1_EF = nn.Parameter(torch.zeros(E, 2 * N)) if cfg.expert_bias else None
         self.b2_ED = nn.Parameter(torch.zeros(E, dim)) if cfg.expert_bias else None
         self.shared_expert = SwiGLUMLP(dim, cfg.shared_expert_dim) if cfg.shared_expert_dim else None
+        self._experts_fns: dict[torch.device, ExpertsFn] = {}  # resolved once per device, not per call
+
+    def experts_fn(self, device: torch.device) -> ExpertsFn:
+        if device not in self._experts_fns:
+            self._experts_fns[device] = get_experts_fn(self.kernel_backend, device)
+        return self._experts_fns[device]
 
     def forward(self, x_BSD: Tensor) -> tuple[Tensor, RouterOutput]:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
@@ -34,8 +40,8 @@ class MoE(nn.Module):
         # Function is not autocast by itself, so cast its inputs here.
         dt = torch.get_autocast_dtype(x_TD.device.type) if torch.is_autocast_enabled(x_TD.device.type) else x_TD.dtype
         cast = lambda t: None if t is None else t.to(dt)  # noqa: E731
-        out_TD = experts(cast(x_TD), cast(self.w1_EFD), cast(self.w2_EDN), routed.plan,
-                         cast(self.b1_EF), cast(self.b2_ED), backend=self.kernel_backend)
+        out_TD = self.experts_fn(x_TD.device)(cast(x_TD), cast(self.w1_EFD), cast(self.w2_EDN), routed.plan,
+                                              cast(self.b1_EF), cast(self.b2_ED))
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
         return out_TD.view_as(x_BSD), routed

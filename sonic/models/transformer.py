@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree
 from torch import Tensor, nn
 
 from sonic.models.config import ModelConfig
@@ -22,6 +23,9 @@ class ModelOutput:
     router_loss: Tensor  # weighted aux + z losses summed over MoE layers (add to the LM loss)
     routed: list[RouterOutput]  # per MoE layer, for load statistics and the expert bias
 
+
+# A pytree, so FSDP, compile and autograd utilities see the tensors inside.
+torch.utils._pytree.register_dataclass(ModelOutput)
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):

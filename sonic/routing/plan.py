@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree
 from torch import Tensor
 
 
@@ -68,6 +69,9 @@ class RoutingPlan:
         return RoutingPlan(self.token_idx_R, self.expert_idx_R, scores_R, self.expert_offsets_E1,
                            self.token_offsets_T1, self.rows_by_token_R)
 
+
+# A pytree, so FSDP, compile and autograd utilities see the tensors inside.
+torch.utils._pytree.register_dataclass(RoutingPlan)
 
 def _offsets(sorted_ids: Tensor, num_ids: int) -> Tensor:
     """Segment offsets (num_ids + 1, int32) of a non-decreasing id sequence.

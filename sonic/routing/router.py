@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -43,6 +44,9 @@ class RouterOutput:
     counts_E: Tensor  # routed rows per expert (for load statistics and the expert bias)
     topk_counts_E: Tensor | None = None  # token-choice top-K picks per expert (before any rounding)
 
+
+# A pytree, so FSDP, compile and autograd utilities see the tensors inside.
+torch.utils._pytree.register_dataclass(RouterOutput)
 
 def _recomputing() -> bool:
     """True inside a backward pass, i.e. when activation checkpointing re-runs this forward."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -29,7 +28,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-STEP_DIR = re.compile(r"^step_(\d{8})$")
+from sonic.models.loading import complete_checkpoints
+
 
 
 def _rank() -> int:
@@ -72,14 +72,6 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if buf is not None and name not in module._non_persistent_buffers_set:
                 out[_clean(f"{prefix}.{name}" if prefix else name)] = buf
     return out
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under root, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
 class Checkpointer:

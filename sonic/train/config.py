@@ -33,12 +33,16 @@ class TrainConfig:
     run_dir: str = "runs/${model.name}"  # checkpoints, metrics.jsonl and Hydra's logs
     progress: bool = True  # progress bar on rank 0
     peak_tflops: float = 0.0  # per-GPU peak for MFU; 0 = look it up from the GPU name
+    init_from: str | None = None  # start (not resume) from these weights: a Sonic checkpoint, file or HF directory
+    lm_eval_every: int = 0  # lm-eval tasks every N steps (and at the end); 0 disables
+    lm_eval_tasks: list[str] = field(default_factory=lambda: ["sonic_world"])
+    lm_eval_limit: int | None = None  # examples per task; None = all
 
     def __post_init__(self):
         for name in ("steps", "micro_batch_size", "grad_accum", "seq_len", "log_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
-        for name in ("eval_every", "save_every", "keep_last"):
+        for name in ("eval_every", "save_every", "keep_last", "lm_eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be >= 0 (0 disables)")
         if self.precision not in PRECISIONS:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sonic.parallel import all_reduce_
+
 # Dense bf16 tensor-core peak per GPU (FLOP/s), matched against the device name.
 PEAK_BF16_FLOPS = (
     ("H200", 989e12),
@@ -27,18 +29,19 @@ def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | No
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
-def throughput(tokens_per_s_per_gpu: float, flops_per_token: float, peak: float | None) -> dict[str, float]:
-    out = {"tokens_per_s_per_gpu": tokens_per_s_per_gpu,
-           "btokens_per_day": tokens_per_s_per_gpu * 86400 / 1e9}
+def speed_metrics(tokens_per_s_per_gpu: float, world_size: int, flops_per_token: float, peak: float | None,
+                  device: torch.device) -> dict[str, float]:
+    """Per GPU: tokens/s, MFU and the peak memory of the fullest GPU; for the whole job:
+    tokens/s and billion tokens/day (the paper's unit)."""
+    tokens_per_s = tokens_per_s_per_gpu * world_size
+    out = {"tokens_per_s_per_gpu": tokens_per_s_per_gpu, "tokens_per_s": tokens_per_s,
+           "btokens_per_day": tokens_per_s * 86400 / 1e9}
     if peak:
         out["mfu"] = tokens_per_s_per_gpu * flops_per_token / peak
+    if device.type == "cuda":
+        mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
+        out["mem_peak_gib"] = all_reduce_(mem, "max").item()
     return out
-
-
-def memory_metrics(device: torch.device) -> dict[str, float]:
-    if device.type != "cuda":
-        return {}
-    return {"mem_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
 
 
 def expert_load(counts_LE: Tensor) -> dict[str, float]:

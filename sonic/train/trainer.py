@@ -9,6 +9,7 @@ import random
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -19,11 +20,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from sonic.data import build_loaders, build_tokenizer
 from sonic.kernels import resolve_backend
 from sonic.models import Transformer, flops_per_token, param_counts
+from sonic.models.loading import load_model
 from sonic.parallel import PreemptionGuard, all_reduce_, init_distributed, parallelize, set_gradient_sync
 from sonic.train.checkpoint import Checkpointer
 from sonic.train.config import Config, to_yaml
 from sonic.train.loggers import MetricLogger
-from sonic.train.metrics import expert_load, memory_metrics, peak_flops, throughput
+from sonic.train.metrics import expert_load, peak_flops, speed_metrics
 from sonic.train.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("sonic")
@@ -51,14 +53,16 @@ def autocast_context(cfg: Config, device: torch.device):
 @torch.no_grad()
 def evaluate(model, val_loader, cfg: Config, device: torch.device) -> float:
     model.eval()  # routing falls back to plain top-K in eval mode
-    total = torch.zeros(2, device=device)
+    total = torch.zeros(2, device=device)  # summed loss, target count (a batch may have no targets)
     for i, batch in enumerate(val_loader):
         if i == cfg.train.eval_batches:
             break
         with autocast_context(cfg, device):
             out = model(batch["input_ids"].to(device), _doc_ids(batch, cfg, device))
         labels = batch["labels"].to(device)
-        total += torch.stack([lm_loss(out.logits_BSV, labels) * (labels != -100).sum(), (labels != -100).sum()])
+        loss_sum = F.cross_entropy(out.logits_BSV.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                                   reduction="sum")
+        total += torch.stack([loss_sum, (labels != -100).sum().float()])
     model.train()
     all_reduce_(total)
     return (total[0] / total[1].clamp_min(1)).item()
@@ -68,8 +72,12 @@ def _doc_ids(batch, cfg: Config, device):
     return batch["doc_ids"].to(device) if cfg.train.document_masking else None
 
 
-def train(cfg: Config) -> list[dict]:
-    """Train per `cfg`; return the metrics logged on this rank (one dict per logged step)."""
+def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
+    """Train per `cfg`; return the metrics logged on this rank (one dict per logged step).
+
+    lm_eval(model, tokenizer, tasks, limit, precision) -> {name: value} runs the periodic
+    lm-eval tasks; train.py passes eval.run_lm_eval (entry points sit above sonic/).
+    """
     t = cfg.train
     info = init_distributed(cfg.parallel, t.device)
     device = info.device
@@ -81,8 +89,12 @@ def train(cfg: Config) -> list[dict]:
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
                          f"{cfg.model.vocab_size}; raise model.vocab_size or pick another data.tokenizer")
+    ckpt = Checkpointer(run_dir / "checkpoints", keep_last=t.keep_last)
+    resume_from = ckpt.find(t.resume)
     model = Transformer(cfg.model).to(device)
     model.init_weights(seed=t.seed)  # same weights on every rank, before sharding
+    if t.init_from and resume_from is None:
+        load_weights(model, t.init_from)
     counts = param_counts(cfg.model)
     model = parallelize(model, cfg.parallel, info)
     optimizer = build_optimizer(model, cfg.optim)
@@ -92,9 +104,7 @@ def train(cfg: Config) -> list[dict]:
                                              world_size=info.world_size, seed=t.seed)
 
     # --- resume -------------------------------------------------------------------------
-    ckpt = Checkpointer(run_dir / "checkpoints", keep_last=t.keep_last)
     step = 0
-    resume_from = ckpt.find(t.resume)
     if resume_from is not None:
         extra = ckpt.load(resume_from, model, optimizer)
         scheduler.load_state_dict(extra["scheduler"])
@@ -158,7 +168,8 @@ def train(cfg: Config) -> list[dict]:
             bar.update(1)
 
             is_eval = t.eval_every and (step % t.eval_every == 0 or step == t.steps)
-            is_log = step % t.log_every == 0 or step == t.steps or is_eval
+            is_lm_eval = bool(lm_eval and t.lm_eval_every) and (step % t.lm_eval_every == 0 or step == t.steps)
+            is_log = step % t.log_every == 0 or step == t.steps or is_eval or is_lm_eval
             if load_LE is not None and (bias_update or is_log):
                 all_reduce_(load_LE)  # the whole data-parallel batch's expert load
                 if bias_update:
@@ -177,6 +188,9 @@ def train(cfg: Config) -> list[dict]:
                                              f"check the data")
                 if is_eval:
                     metrics["val_loss"] = evaluate(model, val_loader, cfg, device)
+                if is_lm_eval:
+                    results = lm_eval(model, tokenizer, t.lm_eval_tasks, t.lm_eval_limit, precision=t.precision)
+                    metrics.update({f"lm_eval/{k}": v for k, v in results.items()})
                 logger.log(step, metrics)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
                 history.append({"step": step, **metrics})
@@ -204,18 +218,16 @@ def train(cfg: Config) -> list[dict]:
     return history
 
 
-def speed_metrics(tokens_per_s_per_gpu: float, world_size: int, fpt: float, peak: float | None,
-                  device: torch.device) -> dict[str, float]:
-    """Per GPU: tokens/s, MFU, and peak memory of the fullest GPU; for the whole job: tokens/s and
-    B tokens/day (the paper's unit)."""
-    metrics = throughput(tokens_per_s_per_gpu, fpt, peak)
-    metrics["tokens_per_s"] = tokens_per_s_per_gpu * world_size
-    metrics["btokens_per_day"] = metrics["tokens_per_s"] * 86400 / 1e9
-    mem = memory_metrics(device)
-    if mem:
-        peak_gib = all_reduce_(torch.tensor([mem["mem_peak_gib"]], device=device), "max")
-        metrics["mem_peak_gib"] = peak_gib.item()
-    return metrics
+def load_weights(model: Transformer, path: str) -> None:
+    """Copy the weights of a Sonic checkpoint, model file or HF directory into `model`."""
+    source = load_model(path).model.state_dict()
+    target = model.state_dict()
+    mismatched = [k for k in target if k not in source or source[k].shape != target[k].shape]
+    if mismatched or set(source) - set(target):
+        raise ValueError(f"train.init_from={path!r} does not match model={model.cfg.name} (first differing "
+                         f"weights: {(mismatched or sorted(set(source) - set(target)))[:3]}); pick the model "
+                         f"preset the weights were trained with")
+    model.load_state_dict(source)
 
 
 def _update_expert_bias(model, load_LE: torch.Tensor) -> None:
