@@ -86,3 +86,27 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
 def test_bad_input_fails_with_one_clear_message(override, message, tmp_path):
     proc = run_train(override, f"train.run_dir={tmp_path}", check=False)
     assert proc.returncode != 0 and message in proc.stderr
+
+
+def test_init_from_starts_at_the_given_weights(tmp_path):
+    run_train("train.steps=20", "optim.warmup_steps=2", "train.log_every=20", "train.eval_every=0",
+              f"train.run_dir={tmp_path / 'a'}")
+    trained = losses(tmp_path / "a")[20]
+    fresh = run_train("train.steps=1", "train.log_every=1", "train.eval_every=0", f"train.run_dir={tmp_path / 'b'}")
+    warm = run_train("train.steps=1", "train.log_every=1", "train.eval_every=0", f"train.run_dir={tmp_path / 'c'}",
+                     f"train.init_from={tmp_path / 'a'}")
+    assert fresh.returncode == warm.returncode == 0
+    assert losses(tmp_path / "c")[1] < losses(tmp_path / "b")[1] - 1.0
+    assert abs(losses(tmp_path / "c")[1] - trained) < 0.5
+    bad = run_train("train.steps=1", "model.num_layers=3", f"train.run_dir={tmp_path / 'd'}",
+                    f"train.init_from={tmp_path / 'a'}", check=False)
+    assert bad.returncode != 0 and "train.init_from" in bad.stderr
+
+
+def test_periodic_lm_eval_is_logged(tmp_path):
+    run_train("train.steps=2", "train.log_every=1", "train.eval_every=0", "train.lm_eval_every=2",
+              "train.lm_eval_limit=4", f"train.run_dir={tmp_path}")
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "lm_eval/sonic_world/acc" not in recs[0]
+    acc = recs[1]["lm_eval/sonic_world/acc"]
+    assert 0.0 <= acc <= 1.0
