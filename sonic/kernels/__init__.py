@@ -1,7 +1,8 @@
 """Expert computation: `experts(x_TD, w1_EFD, w2_EDN, plan) -> out_TD` for several backends.
 
 Every backend module exposes `experts(...)` with the reference semantics and
-`unavailable_reason(device) -> str | None`. Backends are chosen here and only here.
+`unavailable_reason(device) -> str | None`, and sets `SUPPORTS_BIAS = False` if it cannot
+take expert biases. Backends are chosen here and only here.
 
 | name       | what                                                           |
 |------------|----------------------------------------------------------------|
@@ -35,36 +36,39 @@ AUTO_ORDER = ("cute", "triton", "reference")
 ExpertsFn = Callable[..., Tensor]
 
 
-def _why_unavailable(name: str, device: torch.device) -> str | None:
+def _why_unavailable(name: str, device: torch.device, bias: bool) -> str | None:
     try:
         module = importlib.import_module(BACKENDS[name])
     except ImportError as err:  # the backend's optional dependency is missing
         return f"cannot import {BACKENDS[name]} ({err}); install the 'gpu' extra"
+    if bias and not getattr(module, "SUPPORTS_BIAS", True):
+        return "it has no expert-bias kernels (model.moe.expert_bias=true)"
     return module.unavailable_reason(device)
 
 
 @functools.lru_cache(maxsize=None)
-def resolve_backend(name: str, device: torch.device) -> str:
+def resolve_backend(name: str, device: torch.device, bias: bool = False) -> str:
     """Map a requested backend (or 'auto') to a runnable one on `device`."""
     if name == "auto":
         for candidate in AUTO_ORDER:
-            if _why_unavailable(candidate, device) is None:
+            if _why_unavailable(candidate, device, bias) is None:
                 return candidate
         raise AssertionError("the reference backend runs everywhere")
     if name not in BACKENDS:
         raise ValueError(f"unknown kernel_backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
-    reason = _why_unavailable(name, device)
+    reason = _why_unavailable(name, device, bias)
     if reason is not None:
         raise ValueError(f"kernel_backend {name!r} cannot run on {device}: {reason}. "
                          f"Use kernel_backend=auto or reference.")
     return name
 
 
-def get_experts_fn(name: str, device: torch.device) -> ExpertsFn:
-    return importlib.import_module(BACKENDS[resolve_backend(name, torch.device(device))]).experts
+def get_experts_fn(name: str, device: torch.device, bias: bool = False) -> ExpertsFn:
+    return importlib.import_module(BACKENDS[resolve_backend(name, torch.device(device), bias)]).experts
 
 
 def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
             b1_EF: Tensor | None = None, b2_ED: Tensor | None = None, backend: str = "auto") -> Tensor:
     """out_TD = sum over each token's routed rows of score * SwiGLU-expert(x)."""
-    return get_experts_fn(backend, x_TD.device)(x_TD, w1_EFD, w2_EDN, plan, b1_EF, b2_ED)
+    bias = b1_EF is not None or b2_ED is not None
+    return get_experts_fn(backend, x_TD.device, bias)(x_TD, w1_EFD, w2_EDN, plan, b1_EF, b2_ED)

@@ -30,7 +30,7 @@ class MoE(nn.Module):
 
     def experts_fn(self, device: torch.device) -> ExpertsFn:
         if device not in self._experts_fns:
-            self._experts_fns[device] = get_experts_fn(self.kernel_backend, device)
+            self._experts_fns[device] = get_experts_fn(self.kernel_backend, device, bias=self.b1_EF is not None)
         return self._experts_fns[device]
 
     def forward(self, x_BSD: Tensor) -> tuple[Tensor, RouterOutput]:

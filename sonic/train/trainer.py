@@ -128,7 +128,8 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
         run_dir.mkdir(parents=True, exist_ok=True)
         log.info("model %s: %.3fM params total, %.3fM active; %d rank(s) on %s; kernel backend %s (%s)",
                  cfg.model.name, counts.total / 1e6, counts.active / 1e6, info.world_size, device,
-                 resolve_backend(cfg.model.moe.kernel_backend, device), cfg.model.moe.kernel_backend)
+                 resolve_backend(cfg.model.moe.kernel_backend, device, cfg.model.moe.expert_bias),
+                 cfg.model.moe.kernel_backend)
     history: list[dict] = []
     metrics_file = run_dir / "metrics.jsonl"
     bar = tqdm(total=t.steps, initial=step, disable=not (t.progress and info.is_main), dynamic_ncols=True)

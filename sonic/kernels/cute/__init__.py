@@ -30,6 +30,9 @@ def _cutlass_reason() -> str | None:
     return None
 
 
+SUPPORTS_BIAS = False  # expert biases are not fused yet; `auto` then picks triton
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     """None on an sm_90 GPU with CuTe DSL importable; otherwise why not."""
     device = torch.device(device)

@@ -1,0 +1,41 @@
+import sys
+import types
+
+import pytest
+import torch
+
+import sonic.kernels as kernels
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fake_backends(monkeypatch):
+    """Two always-available fake backends, one without bias support, first in the auto order."""
+    for name, supports_bias in (("fast_nobias", False), ("fast_bias", True)):
+        module = types.ModuleType(f"fake_{name}")
+        module.unavailable_reason = lambda device: None
+        module.experts = lambda *args, _name=name: _name
+        module.SUPPORTS_BIAS = supports_bias
+        monkeypatch.setitem(sys.modules, f"fake_{name}", module)
+        monkeypatch.setitem(kernels.BACKENDS, name, f"fake_{name}")
+    monkeypatch.setattr(kernels, "AUTO_ORDER", ("fast_nobias", "fast_bias", "reference"))
+    kernels.resolve_backend.cache_clear()
+    yield
+    kernels.resolve_backend.cache_clear()
+
+
+def test_auto_skips_a_backend_without_bias_support(fake_backends):
+    assert kernels.resolve_backend("auto", CPU) == "fast_nobias"
+    assert kernels.resolve_backend("auto", CPU, bias=True) == "fast_bias"
+
+
+def test_explicit_backend_without_bias_support_names_the_reason(fake_backends):
+    with pytest.raises(ValueError, match="expert_bias"):
+        kernels.resolve_backend("fast_nobias", CPU, bias=True)
+
+
+def test_auto_on_cpu_is_the_reference_and_unknown_names_fail():
+    assert kernels.resolve_backend("auto", CPU) == "reference"
+    with pytest.raises(ValueError, match="unknown kernel_backend 'nope'"):
+        kernels.resolve_backend("nope", CPU)
