@@ -1,0 +1,151 @@
+"""The repro table/plot writers on synthetic results: numbers land in the right cells, PNGs get written.
+
+Synthetic inputs are built here with known values, so a writer that drops, swaps or mis-scales
+a number fails. Each test renders into tmp_path (never docs/repro).
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from scripts.repro import activation_memory, e2e_throughput, kernel_throughput, paper, sparse_tr, tr_quality
+
+PNG = b"\x89PNG"
+SEVEN_B = list(paper.TABLE_9B["7B"][0])  # (24576, 1536, 256, 128, 8)
+
+
+def _rec(fwd_ms, bwd_ms, shape, held=2**20):
+    T, d, n, E, K = shape
+    unit = T * K * n * d / 1e9
+    return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwdbwd_ms": fwd_ms + bwd_ms, "fwd_tf": 6 * unit / fwd_ms,
+            "bwd_tf": 12 * unit / bwd_ms, "fwdbwd_tf": 18 * unit / (fwd_ms + bwd_ms), "held_bytes": held,
+            "check": {"out": 1e-3}, "check_ok": True}
+
+
+def _png(path):
+    assert path.read_bytes()[:4] == PNG
+
+
+def test_kernel_throughput_table(tmp_path):
+    other = [1024, 256, 128, 8, 2]
+    payload = {"command": "python -m bench.moe_layer", "device": "FakeGPU", "configs": [
+        {"config": "7B", "shape": SEVEN_B, "backends": {"cute": _rec(1.0, 1.0, SEVEN_B), "official": _rec(2.0, 2.0, SEVEN_B),
+                                                         "triton": {"error": "boom"}}},
+        {"config": "x", "shape": other, "backends": {"cute": _rec(1.0, 1.0, other)}}]}
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(payload))
+    text = kernel_throughput.render([src], [], tmp_path)
+    row = next(line for line in text.splitlines() if "(24576, 1536, 256, 128, 8)" in line)
+    c = _rec(1.0, 1.0, SEVEN_B)
+    assert f"{c['fwd_tf']:.0f} / {c['bwd_tf']:.0f} / {c['fwdbwd_tf']:.0f}" in row
+    assert "| 2.00 |" in row  # cute / official f+b, same run
+    assert "225–249 / 466–517 / 361" in row  # the README's official H100 row
+    assert "triton fwd" not in text  # a backend that failed everywhere gets no column
+    assert "(1024, 256, 128, 8, 2)" in text  # a non-Table-9b config is still listed
+    assert text.count("not run") >= 11 * 2  # the other eleven Table 9b configs, one cell per backend
+    _png(tmp_path / "kernel_throughput.png")
+
+
+def test_kernel_table_reads_cute_rows(tmp_path):
+    src = tmp_path / "cute.json"
+    src.write_text(json.dumps({"name": "7b", "shape": {"T": 24576, "D": 1536, "N": 256, "E": 128, "K": 8},
+                               "rows": [{"kernel": "up", "tflops": 500.4, "vs_cublas": 0.9},
+                                        {"kernel": "gather_sum_fwd", "tflops": None}],
+                               "layer": {"fwd_tf": 1, "bwd_tf": 2, "fwd_bwd_tf": 3}}))
+    text = kernel_throughput.kernel_table([src])
+    assert "| up | 500 | 0.90 | 559 |" in text
+    assert "gather_sum" not in text
+    assert "1 / 2 / 3" in text
+
+
+def test_sparse_tr_table_and_paper_row(tmp_path):
+    sweep = [{"E": E, "backend": "triton", "topk": {"rows": 65536, "fwdbwd_ms": 2.0}, "rounded": {"rows": 65536 - 64,
+              "fwdbwd_ms": 2.0 / s}, "speedup_fwd": s, "speedup_bwd": 1.0, "speedup_fwdbwd": s}
+             for E, s in ((128, 1.05), (256, 1.2))]
+    src = tmp_path / "s.json"
+    src.write_text(json.dumps({"command": "python -m bench.moe_layer --sparse-sweep --sweep-shape 16384,4096,1024,4,128,256",
+                               "device": "FakeGPU", "sparse_sweep": sweep}))
+    assert sparse_tr.sweep_shape(json.loads(src.read_text())) == (16384, 4096, 1024, 4)
+    text = sparse_tr.render([src], tmp_path)
+    row = next(line for line in text.splitlines() if line.startswith("| (16384, 4096, 1024, 4) | 256 |"))
+    assert "| 2 |" in row  # T*K/E/128 = 16384*4/256/128
+    assert "+20.0%" in row and "+25.7% / +11.8% / +15.9%" in row  # ours, and the paper's E=256 K=4 numbers
+    assert "| E=256, K=4 | +25.7% | +11.8% | +15.9% | yes |" in text
+    _png(tmp_path / "sparse_tr.png")
+
+
+def test_activation_memory_measures_the_formula():
+    """The Sonic line is X + H + plan exactly, at any granularity; naive holds more."""
+    for shape in ((64, 32, 16, 4, 2), (64, 32, 8, 8, 4)):
+        m = activation_memory.measure_config(shape, measure_T=16)
+        f = activation_memory.formula_bytes(shape)
+        assert m["reference"] == f["x"] + f["h"] + m["plan"]
+        assert m["naive"] > m["reference"] and m["grouped_mm"] > m["reference"]
+
+
+def test_activation_memory_render(tmp_path):
+    rows = []
+    for n, E, K in ((512, 64, 4), (256, 128, 8)):
+        shape = [24576, 1536, n, E, K]
+        f = activation_memory.formula_bytes(shape)
+        rows.append({"size": "7B", "shape": shape, "in_table_9b": True, "formula": f,
+                     "bytes": {"plan": 0.0, "reference": float(f["x"] + f["h"]), "grouped_mm": 4e9, "naive": 3e9}})
+    payload = {"command": "x", "device": "cpu", "method": "synthetic", "rows": rows}
+    gpu = {tuple(SEVEN_B): {"cute": 100 * 2**20, "_source": "g.json", "_device": "FakeGPU"}}
+    text = activation_memory.render(payload, gpu, tmp_path, tmp_path / "a.json")
+    f = rows[1]["formula"]
+    expected = f"{100 * ((f['x'] + f['h']) / (f['x'] + f['h'] + f['y']) - 1):+.0f}%"
+    assert expected in next(line for line in text.splitlines() if "(24576, 1536, 256, 128, 8) |" in line)
+    assert "| 7B | (24576, 1536, 256, 128, 8) | 100 |" in text  # the GPU held row
+    _png(tmp_path / "activation_memory.png")
+
+
+def _metrics(path, vals, drop_resume=False):
+    rows = [{"step": 10 * (i + 1), "loss": v + 0.1, "val_loss": v} for i, v in enumerate(vals)]
+    if drop_resume:  # a resumed run appends a step again: the later record wins
+        rows.insert(1, {"step": 10, "loss": 0.5, "val_loss": 0.5})
+        rows[0], rows[1] = rows[1], rows[0]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_tr_quality_collects_three_runs(tmp_path):
+    files = [_metrics(tmp_path / "topk.jsonl", [3.0, 2.0], drop_resume=True), _metrics(tmp_path / "nr.jsonl", [3.0, 1.9]),
+             _metrics(tmp_path / "drop.jsonl", [3.0, 2.2])]
+    tr_quality.main(["--runs", *map(str, files), "--out-dir", str(tmp_path)])
+    text = (tmp_path / "tr_quality.md").read_text()
+    nr = next(line for line in text.splitlines() if line.startswith("| TR (NR-f)"))
+    assert "| 1.9000 |" in nr and "| -0.1000 |" in nr and f"{100 * (math.exp(-0.1) - 1):+.2f}%" in nr
+    assert "15.91 / 15.94 / 50.4" in nr and "-0.44%" in nr  # the paper's 0.5B row, NR-f vs top-K val PPL
+    top = next(line for line in text.splitlines() if line.startswith("| top-K"))
+    assert "| 2.0000 | 2.0000 |" in top  # final and best: the superseded step-10 record (0.5) is gone
+    _png(tmp_path / "tr_quality.png")
+
+
+def test_tr_quality_missing_runs_say_so(tmp_path):
+    with pytest.raises(SystemExit, match="not run yet"):
+        tr_quality.main(["--runs", *(str(tmp_path / x) for x in "abc"), "--out-dir", str(tmp_path)])
+
+
+def test_e2e_throughput(tmp_path):
+    cmd = "torchrun train.py model=sonic_7b model.num_layers=4 train.seq_len=4096"
+    src = tmp_path / "fsdp.json"
+    src.write_text(json.dumps({"device": "2x NVIDIA H200 (x MiB each), one host", "runs": {"eager": {
+        "command": cmd, "steady_state": {"tokens_per_s_per_gpu": 100000.0, "tokens_per_s": 200000.0,
+                                         "btokens_per_day": 17.28, "mfu": 0.2, "mem_peak_gib": 30.0}}}}))
+    runs = e2e_throughput.measured_runs(src, [], 40, 0)
+    assert runs[0]["layers"] == 4 and runs[0]["device"] == "H200"
+    text = e2e_throughput.render(runs, tmp_path)
+    row = next(line for line in text.splitlines() if line.startswith("| Sonic eager"))
+    assert "| 100.0 | 8.64 | 17.3 (2 GPUs) | 20.0% |" in row
+    est = 100000.0 * e2e_throughput.flops_per_token(4) / e2e_throughput.flops_per_token(40) * 86400 / 1e9
+    assert f"| {est:.2f} |" in row
+    assert "| 3.33 | 213 (64 GPUs) |" in text and e2e_throughput.SLURM_64 in text
+    _png(tmp_path / "e2e_throughput.png")
+
+
+def test_e2e_steady_state_skips_warmup():
+    rows = [{"step": s, "tokens_per_s_per_gpu": t, "mfu": 0.1} for s, t in ((5, 1.0), (10, 4.0), (15, 6.0))]
+    assert e2e_throughput.steady(rows, skip=5)["tokens_per_s_per_gpu"] == 5.0
