@@ -167,7 +167,7 @@ def render(payload: dict, gpu: dict[tuple, dict], out_dir: Path, source: Path) -
 def plot(payload: dict, gpu: dict[tuple, dict], path: Path) -> None:
     plt = pyplot()
     sizes = list(dict.fromkeys(r["size"] for r in payload["rows"]))
-    fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.6 * len(sizes), 4.0), squeeze=False)
     for ax, size in zip(axes[0], sizes):
         rows = sorted((r for r in payload["rows"] if r["size"] == size), key=lambda r: -r["shape"][2])
         G = [r["shape"][1] / r["shape"][2] for r in rows]
@@ -188,7 +188,9 @@ def plot(payload: dict, gpu: dict[tuple, dict], path: Path) -> None:
                         label=f"{backend}, H200 held (excl. X)")
         T, d = rows[0]["shape"][:2]
         ax.set(title=f"{size}: T={T}, d={d}, E·n={rows[0]['shape'][3] * rows[0]['shape'][2]}",
-               xlabel="granularity G = d/n", ylabel="MiB per layer", xscale="log", yscale="log")
+               xlabel="granularity G = d/n", xscale="log", yscale="log")
+        if ax is axes[0][0]:
+            ax.set_ylabel("MiB per layer")
         ax.set_xticks(G, [f"{g:g}\n(n={r['shape'][2]})" for g, r in zip(G, rows)])
         ax.minorticks_off()
         lo, hi = ax.get_ylim()
@@ -199,9 +201,10 @@ def plot(payload: dict, gpu: dict[tuple, dict], path: Path) -> None:
     for ax in axes[0]:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8, bbox_to_anchor=(0.5, -0.2))
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8, bbox_to_anchor=(0.5, -0.1))
     fig.suptitle("Activation memory per MoE layer vs granularity (E·n, K·n fixed); bf16; CPU saved-tensor "
                  "measurement + H200 held", fontsize=10)
+    fig.tight_layout()
     save_figure(fig, path)
 
 

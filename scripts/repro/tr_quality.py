@@ -10,11 +10,12 @@ Full run (the paper's 0.5B 8/64, 20B tokens, 8 GPUs per arm) as one Slurm sweep,
       experiment=repro_tr_0p5b_nrf,repro_tr_0p5b_topk,repro_tr_0p5b_drop
   python -m scripts.repro.tr_quality                 # reads runs/tr_0p5b_*/metrics.jsonl
 
-CPU proxy (NOT the paper's setup: configs/experiment/repro_tr_proxy.yaml, ~10 CPU-minutes for
-all three arms): runs the arms one after another, copies their metrics.jsonl under
-docs/repro/tr_proxy/, measures on the final weights how many rows each arm routes in training
-mode (routed rows / top-K rows), and renders.
-  python -m scripts.repro.tr_quality --proxy [--steps 300]
+CPU proxy (NOT the paper's setup: configs/experiment/repro_tr_proxy.yaml, about 1 CPU-minute
+per arm and seed on 2 cores): runs the arms one after another for each seed, copies their
+metrics.jsonl under docs/repro/tr_proxy/, measures on the final weights how many rows each arm
+routes in training mode (routed rows / top-K rows), and renders. Several seeds give the noise
+floor that the arms' differences are judged against (differences are paired by seed).
+  python -m scripts.repro.tr_quality --proxy --seeds 0,1,2 [--steps 300]
   python -m scripts.repro.tr_quality --proxy --collect-only   # re-render the committed proxy
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 from scripts.repro import paper
@@ -35,9 +37,6 @@ ARMS = {  # arm: (label, paper's column in TABLE_3A, train.py overrides)
 }
 FULL_DIRS = {"topk": "runs/tr_0p5b_topk_nearest", "nr_f": "runs/tr_0p5b_token_rounding_nearest",
              "drop": "runs/tr_0p5b_token_rounding_down"}
-PROXY_DIRS = {"topk": "runs/repro_tr_proxy_topk_nearest", "nr_f": "runs/repro_tr_proxy_token_rounding_nearest",
-              "drop": "runs/repro_tr_proxy_token_rounding_down"}
-PROXY_OUT = DOCS / "tr_proxy"
 
 
 def summarize(rows: list[dict], last: int = 3) -> dict:
@@ -83,29 +82,67 @@ def routed_fraction(run_dir: Path, batches: int = 8) -> float:
     return (totals[0] / totals[1]).item()
 
 
-def render(summaries: dict[str, dict], out_dir: Path, name: str, title: str, note: str,
-           routed: dict[str, float] | None = None) -> str:
+def _mean_sd(xs: list[float]) -> tuple[float, float | None]:
+    m = sum(xs) / len(xs)
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None)
+
+
+def _pm(xs: list[float], digits: int = 4, scale: float = 1.0, sign: str = "") -> str:
+    m, sd = _mean_sd([scale * x for x in xs])
+    return f"{m:{sign}.{digits}f}" + ("" if sd is None else f" ± {sd:.{digits}f}")
+
+
+T_95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # Student t, 97.5% quantile by df
+
+
+def _verdicts(summaries: dict[str, list[dict]]) -> list[str]:
+    """Per arm, the paired mean difference to top-K in units of its standard error (needs >= 2 seeds)."""
+    ref = summaries.get("topk")
+    out = []
+    for arm, runs in summaries.items():
+        if arm == "topk" or ref is None or len(runs) != len(ref) or len(runs) < 2:
+            continue
+        m, sd = _mean_sd([s["val_final"] - r["val_final"] for s, r in zip(runs, ref)])
+        se = sd / math.sqrt(len(runs))
+        t = m / se if se > 0 else float("inf") * (1 if m >= 0 else -1)
+        crit = T_95.get(len(runs) - 1, 1.96)
+        out += [f"- {ARMS[arm][0]} − top-K, final val loss: {m:+.4f}, standard error {se:.4f} over {len(runs)} "
+                f"paired seeds: t = {t:+.2f}, {'within' if abs(t) < crit else 'outside'} seed noise "
+                f"(two-sided 95%: |t| < {crit})."]
+    return out + ([""] if out else [])
+
+
+def render(summaries: dict[str, list[dict]], out_dir: Path, name: str, title: str, note: str,
+           routed: dict[str, list[float]] | None = None) -> str:
+    """One row per arm; with several seeds per arm: mean ± sample sd over seeds, and differences to top-K
+    paired by seed (same data order and init), which is what the seed noise should be judged by."""
     routed = routed or {}
     ref = summaries.get("topk")
     p = paper.TABLE_3A["0.5B 8/64"]
     rows = []
-    for arm, s in summaries.items():
+    for arm, runs in summaries.items():
         label, col, _ = ARMS[arm]
-        dv = "–" if ref is None or arm == "topk" else f"{s['val_final'] - ref['val_final']:+.4f}"
-        rel_ppl = "–" if ref is None else f"{100 * (math.exp(s['val_final'] - ref['val_final']) - 1):+.2f}%"
-        paper_rel = f"{100 * (p[col][1] / p['topk'][1] - 1):+.2f}%"
-        rows.append([label, s["steps"], f"{s['train_final']:.4f}", f"{s['val_final']:.4f}", f"{s['val_best']:.4f}",
-                     f"{math.exp(s['val_final']):.3f}", dv, rel_ppl,
-                     f"{routed[arm]:.3f}" if arm in routed else "–",
-                     "–" if s["acc"] is None else f"{100 * s['acc']:.1f}",
-                     f"{p[col][0]:.2f} / {p[col][1]:.2f} / {p[col][2]:.1f}", paper_rel])
+        vals = [s["val_final"] for s in runs]
+        if ref is None or arm == "topk" or len(ref) != len(runs):
+            dv = rel_ppl = "–"
+        else:
+            diffs = [s["val_final"] - r["val_final"] for s, r in zip(runs, ref)]
+            dv = _pm(diffs, sign="+")
+            rel_ppl = _pm([math.exp(d) - 1 for d in diffs], digits=2, scale=100, sign="+") + "%"
+        rows.append([label, len(runs), runs[0]["steps"], _pm([s["train_final"] for s in runs]), _pm(vals),
+                     " / ".join(f"{v:.4f}" for v in vals) if len(runs) > 1 else "–", dv, rel_ppl,
+                     _pm(routed[arm], digits=3) if routed.get(arm) else "–",
+                     "–" if runs[0]["acc"] is None else _pm([s["acc"] for s in runs], digits=1, scale=100),
+                     f"{p[col][0]:.2f} / {p[col][1]:.2f} / {p[col][2]:.1f}",
+                     f"{100 * (p[col][1] / p['topk'][1] - 1):+.2f}%"])
     lines = [f"# {title}", "", note, "",
-             md_table(rows, ["arm", "steps", "train loss (last 3 logs)", "val loss (final)", "val loss (best)",
-                             "val PPL", "Δ val loss vs top-K", "val PPL vs top-K", "routed rows ÷ top-K rows",
-                             "avg acc %", "paper 0.5B 8/64: train PPL / val PPL / acc (H100)",
-                             "paper val PPL vs top-K"]), "",
-             "Paper: PAPER.md Table 3 (0.5B 8/64, 20B tokens of FineWeb-Edu). Validation always routes top-K "
-             "(token rounding is a training-time change). Per-step validation losses are in the plot.", "",
+             md_table(rows, ["arm", "seeds", "steps", "train loss (last 3 logs)", "val loss (final)",
+                             "val loss per seed", "Δ val loss vs top-K (paired)", "val PPL vs top-K",
+                             "routed rows ÷ top-K rows", "avg acc %",
+                             "paper 0.5B 8/64: train PPL / val PPL / acc (H100)", "paper val PPL vs top-K"]), "",
+             *_verdicts(summaries),
+             "± is the sample standard deviation over seeds. Paper: PAPER.md Table 3 (0.5B 8/64, 20B tokens of "
+             "FineWeb-Edu). Validation always routes top-K (token rounding is a training-time change).", "",
              f"![validation loss]({name}.png)"]
     text = "\n".join(lines)
     write_text(out_dir / f"{name}.md", text)
@@ -113,20 +150,37 @@ def render(summaries: dict[str, dict], out_dir: Path, name: str, title: str, not
     return text
 
 
-def plot(summaries: dict[str, dict], path: Path, title: str) -> None:
+def plot(summaries: dict[str, list[dict]], path: Path, title: str) -> None:
     plt = pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for j, (arm, s) in enumerate(summaries.items()):
-        steps, vals = zip(*s["curve"])
-        a.plot(steps, vals, "o-", ms=3, color=f"C{j}", label=f"{ARMS[arm][0]} val")
-        tsteps, tvals = zip(*s["train_curve"])
-        a.plot(tsteps, tvals, ":", color=f"C{j}", alpha=0.6, label=f"{ARMS[arm][0]} train")
-        half = [(st, v) for st, v in s["curve"] if st >= steps[-1] / 2]
-        b.plot(*zip(*half), "o-", ms=4, color=f"C{j}", label=ARMS[arm][0])
-    a.set(xlabel="step", ylabel="loss", title="loss (val: top-K routing)")
-    a.set_ylim(top=min(a.get_ylim()[1], 2 * max(s["val_final"] for s in summaries.values())))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    a, b, c = axes
+    p = paper.TABLE_3A["0.5B 8/64"]
+    ref = summaries.get("topk")
+    for j, (arm, runs) in enumerate(summaries.items()):
+        label = ARMS[arm][0]
+        for i, s in enumerate(runs):
+            steps, vals = zip(*s["curve"])
+            a.plot(steps, vals, "o-", ms=3, lw=1, color=f"C{j}", alpha=0.8, label=f"{label} val" if i == 0 else None)
+            tsteps, tvals = zip(*s["train_curve"])
+            a.plot(tsteps, tvals, ":", color=f"C{j}", alpha=0.4, label=f"{label} train" if i == 0 else None)
+            half = [(st, v) for st, v in s["curve"] if st >= steps[-1] / 2]
+            b.plot(*zip(*half), "o-", ms=3, lw=1, color=f"C{j}", label=label if i == 0 else None)
+        if ref is not None and len(ref) == len(runs):
+            diffs = [100 * (math.exp(s["val_final"] - r["val_final"]) - 1) for s, r in zip(runs, ref)]
+            m, sd = _mean_sd(diffs)
+            c.bar(j - 0.2, m, 0.4, yerr=sd or 0, color=f"C{j}", capsize=4, label="this run" if j == 0 else None)
+            c.plot([j - 0.2] * len(diffs), diffs, "k.", ms=4)
+        col = ARMS[arm][1]
+        c.bar(j + 0.2, 100 * (p[col][1] / p["topk"][1] - 1), 0.4, color="none", edgecolor=f"C{j}", hatch="//",
+              label="paper 0.5B 8/64 (H100)" if j == 0 else None)
+    a.set(xlabel="step", ylabel="loss", title="loss (val routes top-K)")
+    finals = [s["val_final"] for runs in summaries.values() for s in runs]
+    a.set_ylim(top=min(a.get_ylim()[1], 3 * max(finals)))
     b.set(xlabel="step", ylabel="validation loss", title="validation loss, second half")
-    for ax in (a, b):
+    c.axhline(0, color="k", lw=0.8)
+    c.set_xticks(range(len(summaries)), [ARMS[arm][0] for arm in summaries], fontsize=8)
+    c.set(ylabel="final val PPL vs top-K, %", title="relative to top-K (dots: seeds)")
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
@@ -134,22 +188,29 @@ def plot(summaries: dict[str, dict], path: Path, title: str) -> None:
     save_figure(fig, path)
 
 
-def run_proxy(steps: int | None, extra: list[str]) -> None:
-    """Train the three proxy arms one after another, each from scratch, and keep their metrics."""
-    for arm, (_, _, overrides) in ARMS.items():
-        run_dir = REPO / PROXY_DIRS[arm]
-        if run_dir.exists():
-            shutil.rmtree(run_dir)  # metrics.jsonl appends: a fresh run needs a fresh directory
-        cmd = [python(), "train.py", "experiment=repro_tr_proxy", *overrides, "train.resume=none"]
-        if steps:
-            cmd += [f"train.steps={steps}", f"train.save_every={steps}", f"optim.warmup_steps={max(1, steps // 10)}"]
-        run(cmd + extra)
+def run_proxy(seeds: list[int], steps: int | None, extra: list[str]) -> dict[tuple[str, int], Path]:
+    """Train the three proxy arms for every seed, one after another, each from scratch."""
+    dirs = {}
+    for seed in seeds:
+        for arm, (_, _, overrides) in ARMS.items():
+            run_dir = REPO / "runs" / f"repro_tr_proxy_{arm}_s{seed}"
+            if run_dir.exists():
+                shutil.rmtree(run_dir)  # metrics.jsonl appends: a fresh run needs a fresh directory
+            cmd = [python(), "train.py", "experiment=repro_tr_proxy", *overrides, f"train.seed={seed}",
+                   f"train.run_dir={rel(run_dir)}", "train.resume=none"]
+            if steps:
+                cmd += [f"train.steps={steps}", f"train.save_every={steps}",
+                        f"optim.warmup_steps={max(1, steps // 10)}"]
+            run(cmd + extra)
+            dirs[arm, seed] = run_dir
+    return dirs
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--proxy", action="store_true", help="the CPU proxy (configs/experiment/repro_tr_proxy.yaml)")
-    ap.add_argument("--collect-only", action="store_true", help="--proxy: render the committed metrics, train nothing")
+    ap.add_argument("--seeds", default="0", help="--proxy: comma list of train.seed values (each runs all arms)")
+    ap.add_argument("--collect-only", action="store_true", help="--proxy: render the kept metrics, train nothing")
     ap.add_argument("--steps", type=int, default=None, help="--proxy: override train.steps")
     ap.add_argument("--runs", nargs=3, metavar=("TOPK", "NR_F", "DROP"), default=None,
                     help="run directories (or metrics.jsonl files) of the three arms")
@@ -158,39 +219,52 @@ def main(argv=None):
     args = ap.parse_args(argv)
     out_dir = Path(args.out_dir)
 
-    routed: dict[str, float] = {}
+    routed: dict[str, list[float]] = {}
     if args.proxy:
-        kept = PROXY_OUT if out_dir == DOCS else out_dir / "tr_proxy"
+        kept = out_dir / "tr_proxy"
         if not args.collect_only:
-            run_proxy(args.steps, args.extra)
-            kept.mkdir(parents=True, exist_ok=True)
-            for arm in ARMS:
-                shutil.copy(REPO / PROXY_DIRS[arm] / "metrics.jsonl", kept / f"{arm}.metrics.jsonl")
-                routed[arm] = routed_fraction(REPO / PROXY_DIRS[arm])
+            seeds = [int(v) for v in args.seeds.split(",")]
+            dirs = run_proxy(seeds, args.steps, args.extra)
+            if kept.exists():
+                shutil.rmtree(kept)  # the kept metrics are exactly this invocation's runs
+            kept.mkdir(parents=True)
+            fractions = {}
+            for (arm, seed), run_dir in dirs.items():
+                shutil.copy(run_dir / "metrics.jsonl", kept / f"{arm}.s{seed}.metrics.jsonl")
+                fractions[f"{arm}.s{seed}"] = routed_fraction(run_dir)
             (kept / "routed_rows.json").write_text(json.dumps(
                 {"what": "rows routed in training mode / top-K rows, final weights, 8 training batches "
-                         "(scripts/repro/tr_quality.py routed_fraction)", **routed}, indent=1) + "\n")
-        elif (kept / "routed_rows.json").exists():
-            routed = {k: v for k, v in json.loads((kept / "routed_rows.json").read_text()).items() if k in ARMS}
-        files = {arm: kept / f"{arm}.metrics.jsonl" for arm in ARMS}
+                         "(scripts/repro/tr_quality.py routed_fraction)", "command": "python -m scripts.repro."
+                 "tr_quality " + " ".join(sys.argv[1:] if argv is None else argv), **fractions}, indent=1) + "\n")
+        files = {arm: sorted(kept.glob(f"{arm}.s*.metrics.jsonl"), key=lambda f: int(f.name.split(".")[1][1:]))
+                 for arm in ARMS}
+        if not all(files.values()):
+            raise SystemExit(f"no proxy metrics in {rel(kept)}: run without --collect-only first")
+        if (kept / "routed_rows.json").exists():
+            fr = json.loads((kept / "routed_rows.json").read_text())
+            routed = {arm: [fr[f.name.removesuffix(".metrics.jsonl")] for f in fs
+                            if f.name.removesuffix(".metrics.jsonl") in fr] for arm, fs in files.items()}
+        n_seeds = len(files["topk"])
         title = "CPU PROXY of Table 3a (tiny model, embedded corpus; not the paper's setup)"
         note = ("**CPU proxy, not the paper's setup**: configs/experiment/repro_tr_proxy.yaml, the tiny 4-layer d-128 "
                 "model with E 16, K 2 (the 0.5B model's K/E = 1/8), n 64, tile 64, 2048 tokens per micro-batch, so "
                 "T·K/E = 256 rows per expert = 4 tiles (the paper needs ≥ 2; its 0.5B run has 64), on the embedded "
-                "corpus with a byte tokenizer, one seed, fp32 on CPU. Metrics: " +
-                ", ".join(f"`{rel(f)}`" for f in files.values()) + "; the routed-row fractions: "
-                f"`{rel(kept / 'routed_rows.json')}`. Command: `python -m scripts.repro.tr_quality --proxy`.")
+                f"corpus (byte tokenizer: losses are nats per byte), {n_seeds} seed(s), fp32 on CPU. Metrics: "
+                f"`{rel(kept)}/<arm>.s<seed>.metrics.jsonl`; routed-row fractions: `{rel(kept / 'routed_rows.json')}`. "
+                f"Command: `python -m scripts.repro.tr_quality --proxy --seeds "
+                f"{','.join(f.name.split('.')[1][1:] for f in files['topk'])}`.")
         name = "tr_proxy"
     else:
         dirs = dict(zip(ARMS, args.runs)) if args.runs else FULL_DIRS
-        files = {arm: Path(d) if str(d).endswith(".jsonl") else Path(d) / "metrics.jsonl" for arm, d in dirs.items()}
-        missing = [rel(f) for f in files.values() if not f.exists()]
+        paths = {arm: Path(d) if str(d).endswith(".jsonl") else Path(d) / "metrics.jsonl" for arm, d in dirs.items()}
+        missing = [rel(f) for f in paths.values() if not f.exists()]
         if missing:
             raise SystemExit("not run yet: " + ", ".join(missing) + " (see this script's docstring for the sweep)")
+        files = {arm: [f] for arm, f in paths.items()}
         title = "Table 3a: token rounding quality, 0.5B 8/64"
-        note = "Metrics: " + ", ".join(f"`{rel(f)}`" for f in files.values()) + "."
+        note = "Metrics: " + ", ".join(f"`{rel(f)}`" for f in paths.values()) + "."
         name = "tr_quality"
-    summaries = {arm: summarize(read_jsonl(f)) for arm, f in files.items()}
+    summaries = {arm: [summarize(read_jsonl(f)) for f in fs] for arm, fs in files.items()}
     render(summaries, out_dir, name, title, note, routed)
 
 

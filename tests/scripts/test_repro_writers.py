@@ -120,8 +120,26 @@ def test_tr_quality_collects_three_runs(tmp_path):
     assert "| 1.9000 |" in nr and "| -0.1000 |" in nr and f"{100 * (math.exp(-0.1) - 1):+.2f}%" in nr
     assert "15.91 / 15.94 / 50.4" in nr and "-0.44%" in nr  # the paper's 0.5B row, NR-f vs top-K val PPL
     top = next(line for line in text.splitlines() if line.startswith("| top-K"))
-    assert "| 2.0000 | 2.0000 |" in top  # final and best: the superseded step-10 record (0.5) is gone
+    assert "| 2.6000 | 2.0000 |" in top  # mean train loss of steps 10, 20: the superseded step-10 record is gone
     _png(tmp_path / "tr_quality.png")
+
+
+def test_tr_quality_pairs_seeds(tmp_path):
+    def runs(finals):
+        return [tr_quality.summarize([{"step": 10, "loss": 3.0, "val_loss": 3.0}, {"step": 20, "loss": v, "val_loss": v}])
+                for v in finals]
+
+    summaries = {"topk": runs([2.0, 2.2]), "nr_f": runs([2.1, 2.2]), "drop": runs([2.3, 2.5])}
+    text = tr_quality.render(summaries, tmp_path, "proxy", "t", "n", {"drop": [0.8, 0.9]})
+    drop = next(line for line in text.splitlines() if line.startswith("| token drop"))
+    # paired differences 0.3 and 0.3: mean 0.3, sd 0; the unpaired sd of the finals is 0.1414
+    assert "| 2 | 20 |" in drop and "| 2.4000 ± 0.1414 |" in drop and "| +0.3000 ± 0.0000 |" in drop
+    assert "| 0.850 ± 0.071 |" in drop
+    nr = next(line for line in text.splitlines() if line.startswith("| TR (NR-f)"))
+    assert "| +0.0500 ± 0.0707 |" in nr and "2.1000 / 2.2000" in nr
+    assert "t = +1.00, within seed noise (two-sided 95%: |t| < 12.71)" in text  # 0.05 / (0.0707 / sqrt 2)
+    assert "t = +inf, outside seed noise" in text  # token drop: the same +0.3 for both seeds
+    _png(tmp_path / "proxy.png")
 
 
 def test_tr_quality_missing_runs_say_so(tmp_path):
