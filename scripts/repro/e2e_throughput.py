@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from scripts.repro import paper
-from scripts.repro.common import (DOCS, fmt, load_json, md_table, newest, provenance, pyplot, read_jsonl, rel,
+from scripts.repro.common import (DOCS, fmt, load_json, md_table, newest, pyplot, read_jsonl, rel,
                                   save_figure, write_text)
 
 PAPER_LAYERS = 40  # configs/model/sonic_7b.yaml, the lm-engine recipe PAPER.md points to
