@@ -366,6 +366,7 @@ def main(argv=None):
 
     def save():  # after every config, so a run cut short still leaves its numbers
         payload = {"configs": results, "sparse_sweep": sweep, "official_readme_h100": OFFICIAL_README,
+                   "sweep_shape": [SPARSE[k] for k in ("T", "d", "n", "K")],
                    "official_unavailable": why}
         if "triton" in backends:
             from sonic.kernels.triton import tuning

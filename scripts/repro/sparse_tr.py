@@ -63,10 +63,10 @@ def pct(x: float | None) -> str:
 def render(paths: list[Path], out_dir: Path) -> str:
     rows = sweep_rows(paths)
     table = []
-    for r in sorted(rows, key=lambda r: (r["shape"], r["backend"], r["E"])):
+    for r in sorted(rows, key=lambda r: (r["shape"], r["backend"], r["device"], r["E"])):
         T, d, n, K = r["shape"]
         ref = paper_ref(r["shape"], r["E"])
-        table.append([shape_str(r["shape"]), r["E"], r["backend"], f"{T * K / r['E'] / TILE:g}",
+        table.append([shape_str(r["shape"]), r["E"], r["backend"], r["device"], f"{T * K / r['E'] / TILE:g}",
                       f"{r['topk']['rows']} → {r['rounded']['rows']}",
                       f"{r['topk']['fwdbwd_ms']:.3f} → {r['rounded']['fwdbwd_ms']:.3f}",
                       pct(r["speedup_fwd"]), pct(r["speedup_bwd"]), pct(r["speedup_fwdbwd"]),
@@ -78,10 +78,10 @@ def render(paths: list[Path], out_dir: Path) -> str:
               for s, Es in paper.SPARSE_PANELS]
     lines = ["# Token rounding vs top-K kernel time in the sparse regime (paper Fig 16)", "",
              "Experts only (no router), one top-K plan and its NR-f token-rounded plan (M_tile 128) per E; speedup = "
-             "top-K time ÷ rounded time. T̄e/M_tile = T·K/E/128, the mean tiles per expert. Measured on "
-             f"{rows[0]['device']}; the paper is on H100.", "",
+             "top-K time ÷ rounded time. T̄e/M_tile = T·K/E/128, the mean tiles per expert. The device "
+             "column names the GPU of each run; the paper is on H100.", "",
              "\n\n".join(provenance(p, load_json(p)) for p in paths), "",
-             md_table(table, ["(T, d, n, K)", "E", "backend", "T̄e/M_tile", "rows top-K → rounded",
+             md_table(table, ["(T, d, n, K)", "E", "backend", "device", "T̄e/M_tile", "rows top-K → rounded",
                               "f+b ms top-K → rounded", "fwd", "bwd", "f+b", "paper fwd / bwd / f+b (H100)"]), "",
              "## The paper's published speedups (PAPER.md)", "",
              md_table(published, ["setting", "fwd", "bwd", "end to end", "in our sweeps"]), "",
@@ -100,12 +100,13 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 3.8), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         sub = [r for r in rows if r["shape"] == shape]
-        for j, backend in enumerate(sorted({r["backend"] for r in sub})):
-            pts = sorted((r for r in sub if r["backend"] == backend), key=lambda r: r["E"])
+        for j, (backend, device) in enumerate(sorted({(r["backend"], r["device"]) for r in sub})):
+            pts = sorted((r for r in sub if (r["backend"], r["device"]) == (backend, device)), key=lambda r: r["E"])
             Es = [r["E"] for r in pts]
-            ax.plot(Es, [r["speedup_fwdbwd"] for r in pts], "o-", color=f"C{j}", label=f"{backend} f+b")
-            ax.plot(Es, [r["speedup_fwd"] for r in pts], "^--", color=f"C{j}", alpha=0.6, label=f"{backend} fwd")
-            ax.plot(Es, [r["speedup_bwd"] for r in pts], "v:", color=f"C{j}", alpha=0.6, label=f"{backend} bwd")
+            name = f"{backend} ({device.replace('NVIDIA ', '')})"
+            ax.plot(Es, [r["speedup_fwdbwd"] for r in pts], "o-", color=f"C{j}", label=f"{name} f+b")
+            ax.plot(Es, [r["speedup_fwd"] for r in pts], "^--", color=f"C{j}", alpha=0.6, label=f"{name} fwd")
+            ax.plot(Es, [r["speedup_bwd"] for r in pts], "v:", color=f"C{j}", alpha=0.6, label=f"{name} bwd")
         for (K, E), ref in paper.TR_SPEEDUP.items():
             if K == shape[3] and ref["fwdbwd"]:
                 ax.plot([E], [ref["fwdbwd"]], "r*", ms=13, label=f"paper f+b, {ref['setting']} (H100)")
@@ -118,7 +119,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set(title=f"(T, d, n, K) = {shape_str(shape)}", xlabel="E (experts)", ylabel="speedup, top-K ÷ rounded")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Token rounding (NR-f, tile 128) vs top-K, experts only; {rows[0]['device']}", fontsize=10)
+    fig.suptitle("Token rounding (NR-f, tile 128) vs top-K, experts only", fontsize=10)
     fig.tight_layout()
     save_figure(fig, path)
 
