@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from sonic.kernels import naive, reference
-from sonic.routing.plan import RoutingPlan, plan_from_topk
+from sonic.routing.plan import plan_from_topk
 
 
 def _storage_key(t: Tensor) -> tuple[str, int]:

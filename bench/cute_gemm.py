@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from sonic.kernels.cute.selfcheck import wait_or_exit
+
 SHAPES = {  # T, D, N, E, K (PAPER.md Table 9b and README.md)
     "7b": (24576, 1536, 256, 128, 8),
     "7b-n512": (24576, 1536, 512, 64, 4),
@@ -30,16 +32,8 @@ PAPER_TF = {"up": 559, "down": 485, "dh": 328}  # 7B breakdown on H100 (PAPER.md
 
 def guarded(fn, what: str, hang_s: float = 30.0) -> None:
     """Run fn once; end the process if the GPU has not finished after hang_s (a deadlock)."""
-    import os
     fn()
-    ev = torch.cuda.Event()
-    ev.record()
-    t0 = time.time()
-    while not ev.query():
-        if time.time() - t0 > hang_s:
-            print(f"HANG in {what}", flush=True)
-            os._exit(3)
-        time.sleep(0.002)
+    wait_or_exit(what, hang_s)
 
 
 def bench(fn, warmup=25, rep=100, what: str = "") -> float:

@@ -1,7 +1,6 @@
 """`python train.py -m hydra/launcher=slurm` on the local Slurm: a sweep point runs as a Slurm
 job of 2 tasks that join one process group from srun's variables (no torchrun)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -20,7 +20,8 @@ from sonic.kernels.swiglu import dswiglu, swiglu
 from sonic.routing.plan import plan_from_topk
 
 
-def _wait(what: str, hang_s: float) -> None:
+def wait_or_exit(what: str, hang_s: float) -> None:
+    """Wait for the GPU; end the process if it has not finished after hang_s (a deadlock)."""
     ev = torch.cuda.Event()
     ev.record()
     t0 = time.time()
@@ -69,28 +70,28 @@ def run(T, D, N, E, K, routing, hang_s, configs, seed=0) -> bool:
               flush=True)
 
     h, a = ops.up_proj(x, w1, tok, off, configs.get("up"), out=(nan(R, 2 * N), nan(R, N)))
-    _wait("up_proj", hang_s)
+    wait_or_exit("up_proj", hang_s)
     h_ref = torch.empty(R, 2 * N, device=dev)
     for e, lo, hi in segs:
         h_ref[lo:hi] = x[tl[lo:hi]].float() @ w1[e].float().T
     report("up_proj", {"H": _err(h, h_ref), "A": _err(a, swiglu(h_ref))})
 
     y = ops.down_proj(a, w2, off, tok, configs.get("down"), out=nan(R, D))
-    _wait("down_proj", hang_s)
+    wait_or_exit("down_proj", hang_s)
     y_ref = torch.empty(R, D, device=dev)
     for e, lo, hi in segs:
         y_ref[lo:hi] = a[lo:hi].float() @ w2[e].float().T
     report("down_proj", {"Y": _err(y, y_ref)})
 
     o = ops.gather_sum(y, plan.token_offsets_T1, plan.rows_by_token_R, plan.scores_R, out=nan(T, D))
-    _wait("gather_sum", hang_s)
+    wait_or_exit("gather_sum", hang_s)
     o_ref = torch.zeros(T, D, device=dev).index_add_(0, tl, y.float() * s[:, None])
     report("gather_sum", {"O": _err(o, o_ref)})
 
     cfg = configs.get("dh")
     n_tiles = -(-N // ops.dh_tile_n(D, N, cfg))
     dh, ap, ds = ops.dh(dout, w2, h, s, tok, off, cfg, out=(nan(R, 2 * N), nan(R, N), nan(n_tiles, R, dt=torch.float32)))
-    _wait("dh", hang_s)
+    wait_or_exit("dh", hang_s)
     dap = torch.empty(R, N, device=dev)
     for e, lo, hi in segs:
         dap[lo:hi] = dout[tl[lo:hi]].float() @ w2[e].float()
@@ -99,21 +100,21 @@ def run(T, D, N, E, K, routing, hang_s, configs, seed=0) -> bool:
                   "dS": _err(ds, (dap * a32).sum(-1))})
 
     dxt = ops.dx_rows(dh, w1, off, tok, configs.get("dx"), out=nan(R, D))
-    _wait("dx", hang_s)
+    wait_or_exit("dx", hang_s)
     dxt_ref = torch.empty(R, D, device=dev)
     for e, lo, hi in segs:
         dxt_ref[lo:hi] = dh[lo:hi].float() @ w1[e].float()
     report("dx", {"dX~": _err(dxt, dxt_ref)})
 
     dw1 = ops.dw1(dh, x, tok, off, E, configs.get("dw1"), out=nan(E, 2 * N, D))
-    _wait("dw1", hang_s)
+    wait_or_exit("dw1", hang_s)
     dw1_ref = torch.zeros(E, 2 * N, D, device=dev)
     for e, lo, hi in segs:
         dw1_ref[e] = dh[lo:hi].float().T @ x[tl[lo:hi]].float()
     report("dw1", {"dW1": _err(dw1, dw1_ref)})
 
     dw2 = ops.dw2(dout, ap, tok, off, E, configs.get("dw2"), out=nan(E, D, N))
-    _wait("dw2", hang_s)
+    wait_or_exit("dw2", hang_s)
     dw2_ref = torch.zeros(E, D, N, device=dev)
     for e, lo, hi in segs:
         dw2_ref[e] = dout[tl[lo:hi]].float().T @ ap[lo:hi].float()
