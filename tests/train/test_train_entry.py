@@ -110,3 +110,11 @@ def test_periodic_lm_eval_is_logged(tmp_path):
     assert "lm_eval/sonic_world/acc" not in recs[0]
     acc = recs[1]["lm_eval/sonic_world/acc"]
     assert 0.0 <= acc <= 1.0
+
+
+def test_wandb_offline_logs_without_network(tmp_path):
+    run_train("train.steps=2", "train.log_every=1", "train.eval_every=0", "wandb.mode=offline",
+              f"train.run_dir={tmp_path}")
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert any(runs[0].glob("*.wandb"))  # the run's event log, to `wandb sync` later
