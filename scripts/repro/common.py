@@ -102,11 +102,18 @@ def save_figure(fig, path: Path) -> Path:
     return path
 
 
-def run(cmd: list[str], dry_run: bool = False) -> None:
-    """Run a command from the repository root, echoing it; a failure ends the script."""
+def run(cmd: list[str], dry_run: bool = False, timeout: float | None = None) -> bool:
+    """Run a command from the repository root, echoing it; a failure ends the script. Past `timeout`
+    seconds the command is killed and False returned, so a time-boxed sweep keeps what it has."""
     print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    if not dry_run:
-        subprocess.run(cmd, cwd=REPO, check=True)
+    if dry_run:
+        return True
+    try:
+        subprocess.run(cmd, cwd=REPO, check=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"killed after {timeout:.0f} s: {cmd[-1]}", flush=True)
+        return False
+    return True
 
 
 def python() -> str:

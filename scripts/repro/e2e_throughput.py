@@ -2,14 +2,20 @@
 
 The paper (PAPER.md "End to end"): the 7B MoE (sonic_7b preset: 40 layers, E 128, K 8, n 256)
 trained with FSDP-2 does 213B tokens/day on 64 H100s, 3.33B per GPU per day; ScatterMoE 225B
-on 96. What we have measured so far is bench/results/*-fsdp.json: 2 H200s, the same model cut
-to 4 layers. Tokens per GPU per day of a 4-layer model are not comparable to 40 layers, so the
-table also gives MFU (our FLOPs/token formula, sonic.models.flops_per_token) and, derived
-from it, what the 40-layer model would do at the measured MFU; the 4-layer model spends about
-half its FLOPs in the 100k-vocabulary head, so that is a rough estimate, not a measurement.
+on 96. What we can measure on the lent GPUs is the same model cut to a few layers (40 layers
+with AdamW need ~108 GB of weights and optimizer state: more than one GPU holds). Tokens per
+GPU per day of a cut model are not comparable to 40 layers, so the table also gives MFU (our
+FLOPs/token formula, sonic.models.flops_per_token) and, derived from it, what the 40-layer
+model would do at the measured MFU; a 4-layer model spends about half its FLOPs in the
+100k-vocabulary head, so that is a rough estimate, not a measurement.
 
-  python -m scripts.repro.e2e_throughput                                  # newest *-fsdp.json
+  python -m scripts.repro.e2e_throughput                                  # newest *-fsdp.json, *-e2e.json
   python -m scripts.repro.e2e_throughput --metrics runs/sonic_7b/metrics.jsonl   # a real run
+  python -m scripts.repro.e2e_throughput --run --layers 4,8 --backends cute,triton [--nproc 2]   # GPU
+
+--run trains the 7B model cut to each --layers count with each kernel backend for --steps steps
+(embedded corpus, 4 x 4096 tokens per GPU as the paper's recipe), then writes
+bench/results/<date>-<gpu>-e2e.json (steady state and 5-step windows of every run) and renders.
 
 The 64-GPU run (8 nodes x 8 H100):
   sbatch --nodes 8 --gpus-per-node 8 scripts/slurm/train.sbatch experiment=sonic_7b
@@ -17,12 +23,15 @@ The 64-GPU run (8 nodes x 8 H100):
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import re
+import shutil
 from pathlib import Path
 
 from scripts.repro import paper
-from scripts.repro.common import (DOCS, fmt, load_json, md_table, newest, pyplot, read_jsonl, rel,
-                                  save_figure, write_text)
+from scripts.repro.common import (DOCS, REPO, RESULTS, fmt, load_json, md_table, newest, pyplot, python,
+                                  read_jsonl, rel, run, save_figure, write_text)
 
 PAPER_LAYERS = 40  # configs/model/sonic_7b.yaml, the lm-engine recipe PAPER.md points to
 SEQ_LEN = 4096
@@ -72,18 +81,49 @@ def steady(rows: list[dict], skip: int) -> dict:
     return out
 
 
-def measured_runs(fsdp_json: Path | None, metrics: list[Path], layers: int, skip: int) -> list[dict]:
+def measured_runs(jsons: list[Path], metrics: list[Path], layers: int, skip: int) -> list[dict]:
     runs = []
-    if fsdp_json:
-        payload = load_json(fsdp_json)
+    for path in jsons:
+        payload = load_json(path)
         for name, r in payload["runs"].items():
             m = re.search(r"model\.num_layers=(\d+)", r["command"])
             runs.append({"name": name, "layers": int(m.group(1)) if m else layers, "device": short(payload["device"]),
-                         "source": fsdp_json, "command": r["command"], **r["steady_state"]})
+                         "source": path, "command": r["command"], **r["steady_state"]})
     for path in metrics:
         runs.append({"name": path.parent.name, "layers": layers, "device": "GPU", "source": path,
                      "command": "", **steady(read_jsonl(path), skip)})
     return runs
+
+
+TRAIN_ARGS = ["model=sonic_7b", f"train.seq_len={SEQ_LEN}", "train.micro_batch_size=4", "train.log_every=5",
+              "train.eval_every=0", "train.save_every=0", "train.progress=false", "train.resume=none"]
+
+
+def run_training(layers: list[int], backends: list[str], steps: int, nproc: int, skip: int) -> Path:
+    """Train each (layers, backend) for `steps` steps on this machine's GPUs; one result JSON for all."""
+    import torch  # noqa: PLC0415
+
+    launcher = [python()] if nproc == 1 else [python(), "-m", "torch.distributed.run", "--standalone",
+                                              f"--nproc-per-node={nproc}"]
+    out = {"what": f"training throughput of the paper's 7B MoE cut to {layers} layers on the embedded corpus "
+                   "(byte tokens, the 100k-vocabulary head kept): scripts/repro/e2e_throughput.py --run",
+           "date": datetime.date.today().isoformat(),
+           "device": f"{nproc}x {torch.cuda.get_device_name()}, torch {torch.__version__}", "runs": {}}
+    for n_layers in layers:
+        for backend in backends:
+            name = f"{backend}_{n_layers}L"
+            run_dir = REPO / "runs" / "e2e" / name
+            shutil.rmtree(run_dir, ignore_errors=True)
+            args = [*TRAIN_ARGS, f"model.num_layers={n_layers}", f"model.moe.kernel_backend={backend}",
+                    f"train.steps={steps}", f"train.run_dir={rel(run_dir)}"]
+            run([*launcher, "train.py", *args])
+            rows = read_jsonl(run_dir / "metrics.jsonl")
+            out["runs"][name] = {"command": " ".join(["python" if nproc == 1 else "torchrun", "train.py", *args]),
+                                 "steady_state": steady(rows, skip), "windows_of_5_steps": rows}
+    gpu = short(out["device"]).lower().replace(" ", "")
+    path = RESULTS / f"{out['date']}-{nproc if nproc > 1 else ''}{'x' if nproc > 1 else ''}{gpu}-e2e.json"
+    write_text(path, json.dumps(out, indent=1))
+    return path
 
 
 def render(runs: list[dict], out_dir: Path, peak_name: str = "H100") -> str:
@@ -109,9 +149,9 @@ def render(runs: list[dict], out_dir: Path, peak_name: str = "H100") -> str:
     sources = sorted({rel(r["source"]) for r in runs})
     lines = ["# End-to-end training throughput (paper abstract: 213B tokens/day on 64 H100)", "",
              "Measured rows are steady-state means (warm-up window excluded) from: " +
-             ", ".join(f"`{s}`" for s in sources) + ". The paper's rows are H100, 40 layers; ours are H200 "
-             f"(same dense bf16 peak as the H100 SXM, {peak('H200') / 1e12:.0f} TFLOP/s, more memory bandwidth) and, for bench/results/*-fsdp.json, the "
-             "7B model cut to 4 layers. MFU uses our FLOPs/token (6 × active matmul params + attention, "
+             ", ".join(f"`{s}`" for s in sources) + ". The paper's rows are H100, 40 layers; ours are the 7B "
+             "model cut to the layers in the row, on the GPUs it names (the H200 has the same dense bf16 peak as "
+             f"the H100 SXM, {peak('H200') / 1e12:.0f} TFLOP/s, and more memory bandwidth). MFU uses our FLOPs/token (6 × active matmul params + attention, "
              f"sonic.models.flops_per_token): {fpt_paper / 1e9:.2f} GFLOP/token for 40 layers at seq 4096, "
              f"{flops_per_token(4) / 1e9:.2f} for 4 (of which {100 * head_share:.0f}% is embedding/LM head "
              "and other non-layer work). 'Paper implied MFU' applies that formula to the paper's 3.33B/GPU/day. "
@@ -165,16 +205,28 @@ def plot(runs, paper_tps, paper_mfu, scatter_gpu_day, path: Path) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--fsdp-json", default=None, help="default: newest bench/results/*-fsdp.json ('none' to skip)")
+    ap.add_argument("--json", nargs="*", default=None,
+                    help="result files (default: the newest bench/results/*-fsdp.json and *-e2e.json)")
+    ap.add_argument("--run", action="store_true", help="(GPU) train first, write bench/results/<date>-<gpu>-e2e.json")
+    ap.add_argument("--backends", default="triton", help="--run: comma list of model.moe.kernel_backend")
+    ap.add_argument("--steps", type=int, default=40, help="--run: training steps per run")
+    ap.add_argument("--nproc", type=int, default=1, help="--run: GPUs (torchrun) per run")
     ap.add_argument("--metrics", nargs="*", default=[], help="metrics.jsonl of sonic_7b training runs")
-    ap.add_argument("--layers", type=int, default=PAPER_LAYERS, help="--metrics runs: model.num_layers")
+    ap.add_argument("--layers", default=str(PAPER_LAYERS), help="--metrics: model.num_layers; --run: comma list")
     ap.add_argument("--skip-steps", type=int, default=10, help="--metrics runs: warm-up steps left out")
     ap.add_argument("--out-dir", default=str(DOCS))
     args = ap.parse_args(argv)
-    fsdp = None if args.fsdp_json == "none" else Path(args.fsdp_json) if args.fsdp_json else newest("*-fsdp.json")
-    runs = measured_runs(fsdp, [Path(p) for p in args.metrics], args.layers, args.skip_steps)
+    layers = [int(v) for v in args.layers.split(",")]
+    if args.run:
+        jsons = [newest("*-fsdp.json"), run_training(layers, args.backends.split(","), args.steps, args.nproc,
+                                                     args.skip_steps)]
+    elif args.json is not None:
+        jsons = [Path(p) for p in args.json]
+    else:
+        jsons = [newest(p) for p in ("*-fsdp.json", "*-e2e.json") if sorted(RESULTS.glob(p))]
+    runs = measured_runs(jsons, [Path(p) for p in args.metrics], layers[0], args.skip_steps)
     if not runs:
-        raise SystemExit("nothing to render: give --fsdp-json or --metrics")
+        raise SystemExit("nothing to render: give --json or --metrics")
     render(runs, Path(args.out_dir))
 
 

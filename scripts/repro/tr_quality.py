@@ -17,14 +17,25 @@ routes in training mode (routed rows / top-K rows), and renders. Several seeds g
 floor that the arms' differences are judged against (differences are paired by seed).
   python -m scripts.repro.tr_quality --proxy --seeds 0,1,2 [--steps 300]
   python -m scripts.repro.tr_quality --proxy --collect-only   # re-render the committed proxy
+
+Reduced GPU run (configs/experiment/repro_tr_0p5b_reduced.yaml: the 0.5B 8/64 model at the paper's
+per-GPU batch, ~20M tokens of byte-level Python source instead of 20B of FineWeb-Edu, since the
+GPU machines are offline): builds the corpus from this interpreter's sources, trains the three
+arms one after another, keeps their metrics under docs/repro/tr_reduced/, and renders.
+  python -m scripts.repro.tr_quality --reduced [--arm-timeout 170] [-- train.steps=500]
+  python -m scripts.repro.tr_quality --reduced --collect-only
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import hashlib
 import json
 import math
+import random
 import shutil
 import sys
+import sysconfig
 from pathlib import Path
 
 from scripts.repro import paper
@@ -35,6 +46,8 @@ ARMS = {  # arm: (label, paper's column in TABLE_3A, train.py overrides)
     "nr_f": ("TR (NR-f)", "nr_f", ["routing=token_rounding"]),
     "drop": ("token drop (TR down)", "drop", ["routing=token_rounding", "model.moe.routing.rounding_mode=down"]),
 }
+REDUCED = "repro_tr_0p5b_reduced"
+REDUCED_DIR = REPO / "runs" / "tr_0p5b_reduced"
 FULL_DIRS = {"topk": "runs/tr_0p5b_topk_nearest", "nr_f": "runs/tr_0p5b_token_rounding_nearest",
              "drop": "runs/tr_0p5b_token_rounding_down"}
 
@@ -206,18 +219,100 @@ def run_proxy(seeds: list[int], steps: int | None, extra: list[str]) -> dict[tup
     return dirs
 
 
+def python_sources() -> list[Path]:
+    """Every .py file of this interpreter's standard library and site-packages, sorted."""
+    roots = {Path(sysconfig.get_paths()[k]) for k in ("stdlib", "purelib", "platlib")}
+    return sorted({f for root in roots if root.is_dir() for f in root.rglob("*.py") if f.is_file()})
+
+
+def build_code_corpus(path: Path, max_bytes: int, seed: int = 0) -> dict:
+    """The reduced run's data: this interpreter's Python sources, one document per file, in a seeded
+    order, up to max_bytes. Real text that a 0.5B model cannot exhaust in minutes, with no network."""
+    files = python_sources()
+    random.Random(seed).shuffle(files)
+    digest, docs, size = hashlib.sha256(), 0, 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for file in files:
+            if size >= max_bytes:
+                break
+            try:
+                text = file.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue  # a few sources are Latin-1 or unreadable: skipped, the rest is plenty
+            if text.strip():
+                line = json.dumps({"text": text}) + "\n"
+                f.write(line)
+                digest.update(line.encode())
+                docs, size = docs + 1, size + len(text.encode())
+    tmp.replace(path)
+    return {"documents": docs, "bytes": size, "sha256": digest.hexdigest(), "seed": seed,
+            "python": sys.version.split()[0], "files_available": len(files)}
+
+
+def run_reduced(corpus_mb: int, arm_timeout: float | None, extra: list[str]) -> tuple[dict[str, Path], dict]:
+    """The three arms of the reduced run one after another on this GPU; an arm past arm_timeout is
+    killed and keeps the evaluations it logged (its curve is compared up to there)."""
+    corpus = REDUCED_DIR / "corpus.jsonl"
+    info = {"corpus": build_code_corpus(corpus, corpus_mb << 20), "commands": {}, "completed": {}}
+    print(f"corpus {rel(corpus)}: {info['corpus']}", flush=True)
+    dirs = {}
+    for arm, (_, _, overrides) in ARMS.items():
+        dirs[arm] = run_dir = REDUCED_DIR / arm
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        cmd = [python(), "train.py", f"experiment={REDUCED}", *overrides, f"data.paths=[{rel(corpus)}]",
+               f"train.run_dir={rel(run_dir)}", "train.resume=none", *extra]
+        info["commands"][arm] = " ".join(["python", *cmd[1:]])
+        info["completed"][arm] = run(cmd, timeout=arm_timeout)
+    return dirs, info
+
+
+def logged_mean(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if key in r]
+    return sum(vals) / len(vals) if vals else None
+
+
+def reduced_note(kept: Path, info: dict, files: dict[str, list[Path]]) -> str:
+    corpus = info.get("corpus", {})
+    speed = []
+    for arm, fs in files.items():
+        rows = [r for r in read_jsonl(fs[0]) if r["step"] > 10]  # past the first-step compile
+        tps, mfu = logged_mean(rows, "tokens_per_s_per_gpu"), logged_mean(rows, "mfu")
+        if tps:
+            speed.append(f"{ARMS[arm][0]} {tps / 1e3:.0f}k tokens/s" + (f" (MFU {100 * mfu:.1f}%)" if mfu else ""))
+    cut = [ARMS[a][0] for a, ok in info.get("completed", {}).items() if not ok]
+    return ("**Reduced run, not the paper's data or length**: configs/experiment/repro_tr_0p5b_reduced.yaml, the "
+            "0.5B 8/64 architecture (12 layers, d 768, E 64, K 8, n 256, tile 128) and recipe (lr 6e-4 cosine, 10% "
+            "warmup, wd 0.01, aux 0.01) at the paper's per-GPU micro-batch of 16 × 4096 tokens (T·K/E = 64 tiles "
+            f"per expert), on one {info.get('device', 'GPU')}, kernel backend triton. Data: byte-level Python source "
+            f"({corpus.get('documents', '?')} files, {corpus.get('bytes', 0) / 2**20:.0f} MiB of this machine's "
+            f"Python {corpus.get('python', '?')} stdlib and site-packages, sha256 {corpus.get('sha256', '?')[:12]}), "
+            "because FineWeb-Edu cannot reach the GPU machines; losses are nats per byte. One seed, so no noise "
+            "floor: read differences against the curves' own wobble. "
+            + (f"Cut by the time box before their last step: {', '.join(cut)}. " if cut else "")
+            + ("Training speed (steady state): " + "; ".join(speed) + ". " if speed else "")
+            + f"Metrics and commands: `{rel(kept)}/`. Command: `{info.get('command', 'python -m scripts.repro.tr_quality --reduced')}`.")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--proxy", action="store_true", help="the CPU proxy (configs/experiment/repro_tr_proxy.yaml)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--proxy", action="store_true", help="the CPU proxy (configs/experiment/repro_tr_proxy.yaml)")
+    mode.add_argument("--reduced", action="store_true", help=f"the one-GPU reduced run (configs/experiment/{REDUCED}.yaml)")
     ap.add_argument("--seeds", default="0", help="--proxy: comma list of train.seed values (each runs all arms)")
-    ap.add_argument("--collect-only", action="store_true", help="--proxy: render the kept metrics, train nothing")
+    ap.add_argument("--collect-only", action="store_true", help="--proxy/--reduced: render the kept metrics, train nothing")
     ap.add_argument("--steps", type=int, default=None, help="--proxy: override train.steps")
+    ap.add_argument("--corpus-mb", type=int, default=48, help="--reduced: MiB of Python source to train on")
+    ap.add_argument("--arm-timeout", type=float, default=None, help="--reduced: seconds per arm before it is cut")
     ap.add_argument("--runs", nargs=3, metavar=("TOPK", "NR_F", "DROP"), default=None,
                     help="run directories (or metrics.jsonl files) of the three arms")
     ap.add_argument("--out-dir", default=str(DOCS))
-    ap.add_argument("extra", nargs="*", help="after --: further train.py overrides for the proxy runs")
+    ap.add_argument("extra", nargs="*", help="after --: further train.py overrides for the proxy or reduced runs")
     args = ap.parse_args(argv)
     out_dir = Path(args.out_dir)
+    command = "python -m scripts.repro.tr_quality " + " ".join(sys.argv[1:] if argv is None else argv)
 
     routed: dict[str, list[float]] = {}
     if args.proxy:
@@ -234,8 +329,8 @@ def main(argv=None):
                 fractions[f"{arm}.s{seed}"] = routed_fraction(run_dir)
             (kept / "routed_rows.json").write_text(json.dumps(
                 {"what": "rows routed in training mode / top-K rows, final weights, 8 training batches "
-                         "(scripts/repro/tr_quality.py routed_fraction)", "command": "python -m scripts.repro."
-                 "tr_quality " + " ".join(sys.argv[1:] if argv is None else argv), **fractions}, indent=1) + "\n")
+                         "(scripts/repro/tr_quality.py routed_fraction)", "command": command, **fractions},
+                indent=1) + "\n")
         files = {arm: sorted(kept.glob(f"{arm}.s*.metrics.jsonl"), key=lambda f: int(f.name.split(".")[1][1:]))
                  for arm in ARMS}
         if not all(files.values()):
@@ -254,6 +349,29 @@ def main(argv=None):
                 f"Command: `python -m scripts.repro.tr_quality --proxy --seeds "
                 f"{','.join(f.name.split('.')[1][1:] for f in files['topk'])}`.")
         name = "tr_proxy"
+    elif args.reduced:
+        kept = out_dir / "tr_reduced"
+        if not args.collect_only:
+            import torch  # noqa: PLC0415 - the device name for the report
+
+            dirs, info = run_reduced(args.corpus_mb, args.arm_timeout, args.extra)
+            if kept.exists():
+                shutil.rmtree(kept)
+            kept.mkdir(parents=True)
+            for arm, run_dir in dirs.items():
+                if (run_dir / "metrics.jsonl").exists():
+                    shutil.copy(run_dir / "metrics.jsonl", kept / f"{arm}.metrics.jsonl")
+            info = {"command": command, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
+                    "date": datetime.date.today().isoformat(), **info}
+            (kept / "run.json").write_text(json.dumps(info, indent=1) + "\n")
+        info = json.loads((kept / "run.json").read_text()) if (kept / "run.json").exists() else {}
+        files = {arm: [kept / f"{arm}.metrics.jsonl"] for arm in ARMS if (kept / f"{arm}.metrics.jsonl").exists()}
+        if "topk" not in files:
+            raise SystemExit(f"no reduced-run metrics in {rel(kept)}: run --reduced on a GPU first")
+        routed = {arm: [v] for arm, fs in files.items() if (v := logged_mean(read_jsonl(fs[0]), "routed_rows_ratio"))}
+        title = "REDUCED Table 3a on one GPU (0.5B 8/64 model, 20M tokens of code; not the paper's data or length)"
+        note = reduced_note(kept, info, files)
+        name = "tr_reduced"
     else:
         dirs = dict(zip(ARMS, args.runs)) if args.runs else FULL_DIRS
         paths = {arm: Path(d) if str(d).endswith(".jsonl") else Path(d) / "metrics.jsonl" for arm, d in dirs.items()}

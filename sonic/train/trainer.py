@@ -143,6 +143,7 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
         while step < t.steps:
             loss_sum = torch.zeros(3, device=device)  # lm loss, aux loss, z loss (summed over micro-batches)
             load_LE = None
+            topk_rows = torch.zeros((), device=device)  # rows plain top-K would route (before any rounding)
             for micro in range(t.grad_accum):
                 batch = next(train_loader)
                 set_gradient_sync(model, micro == t.grad_accum - 1)  # one reduce-scatter per step
@@ -155,6 +156,7 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
                     z = torch.stack([r.z_loss for r in out.routed]).mean()
                     layer_counts = torch.stack([r.counts_E for r in out.routed]).float()
                     load_LE = layer_counts if load_LE is None else load_LE + layer_counts
+                    topk_rows += sum(r.topk_counts_E.sum() for r in out.routed)
                 else:
                     aux = z = torch.zeros((), device=device)
                 loss_sum += torch.stack([loss.detach(), aux, z])
@@ -184,6 +186,8 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
                                            info.world_size, fpt, peak, device)}
                 if load_LE is not None:
                     metrics.update(expert_load(load_LE))
+                    # < 1: token rounding / capacity dropped rows; > 1: padded (what the TR arms differ in)
+                    metrics["routed_rows_ratio"] = (load_LE.sum() / all_reduce_(topk_rows).clamp_min(1)).item()
                 if not math.isfinite(metrics["loss"]):
                     raise FloatingPointError(f"loss is {metrics['loss']} at step {step}; lower optim.lr or "
                                              f"check the data")

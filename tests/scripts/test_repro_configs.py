@@ -1,6 +1,8 @@
 """The repro experiment configs compose and keep the properties the reproduction relies on."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.helpers import compose_config
@@ -24,3 +26,16 @@ def test_table3a_arms_differ_only_in_routing(arm, method, mode):
     assert cfg.train.run_dir == f"runs/tr_0p5b_{method}_{mode}"
     assert (cfg.model.moe.num_experts, cfg.model.moe.top_k, cfg.optim, cfg.train.steps) == \
         (base.model.moe.num_experts, base.model.moe.top_k, base.optim, base.train.steps)
+
+
+def test_reduced_run_keeps_the_papers_model_and_per_gpu_batch():
+    paper = compose_config("experiment=tr_0p5b")
+    cfg = compose_config("experiment=repro_tr_0p5b_reduced")
+    m, pm = cfg.model, paper.model
+    assert dataclasses.replace(m.moe, kernel_backend=pm.moe.kernel_backend) == pm.moe  # E, K, n, routing, aux
+    assert (m.dim, m.num_layers, m.num_heads) == (pm.dim, pm.num_layers, pm.num_heads)
+    assert (cfg.train.micro_batch_size, cfg.train.seq_len) == (paper.train.micro_batch_size, paper.train.seq_len)
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.schedule) == \
+        (paper.optim.lr, paper.optim.weight_decay, paper.optim.schedule)
+    assert cfg.optim.warmup_steps == cfg.train.steps // 10  # the paper's 10% warmup
+    assert m.vocab_size >= 259 and cfg.data.tokenizer == "byte"

@@ -153,7 +153,7 @@ def test_e2e_throughput(tmp_path):
     src.write_text(json.dumps({"device": "2x NVIDIA H200 (x MiB each), one host", "runs": {"eager": {
         "command": cmd, "steady_state": {"tokens_per_s_per_gpu": 100000.0, "tokens_per_s": 200000.0,
                                          "btokens_per_day": 17.28, "mfu": 0.2, "mem_peak_gib": 30.0}}}}))
-    runs = e2e_throughput.measured_runs(src, [], 40, 0)
+    runs = e2e_throughput.measured_runs([src], [], 40, 0)
     assert runs[0]["layers"] == 4 and runs[0]["device"] == "H200"
     text = e2e_throughput.render(runs, tmp_path)
     row = next(line for line in text.splitlines() if line.startswith("| Sonic eager"))

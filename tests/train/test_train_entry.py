@@ -34,7 +34,16 @@ def test_smoke_run_writes_metrics_and_checkpoint(tmp_path):
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [2, 4]
     assert "val_loss" in recs[-1] and recs[-1]["tokens_per_s_per_gpu"] > 0
+    assert recs[-1]["routed_rows_ratio"] == 1.0  # top-K routes exactly its T*K rows
     assert (tmp_path / "checkpoints" / "step_00000004" / "meta.json").is_file()
+
+
+def test_token_drop_logs_the_share_of_rows_it_routes(tmp_path):
+    run_train("routing=token_rounding", "model.moe.routing.rounding_mode=down", "model.moe.routing.tile_size=16",
+              "train.steps=2", "train.log_every=1", "train.eval_every=0", "train.save_every=0",
+              f"train.run_dir={tmp_path}")
+    ratios = [json.loads(line)["routed_rows_ratio"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(ratios) == 2 and all(0 < r < 1 for r in ratios), ratios  # rounding down drops the partial tiles
 
 
 @pytest.mark.slow
