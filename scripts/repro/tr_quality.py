@@ -22,7 +22,7 @@ Reduced GPU run (configs/experiment/repro_tr_0p5b_reduced.yaml: the 0.5B 8/64 mo
 per-GPU batch, ~20M tokens of byte-level Python source instead of 20B of FineWeb-Edu, since the
 GPU machines are offline): builds the corpus from this interpreter's sources, trains the three
 arms one after another, keeps their metrics under docs/repro/tr_reduced/, and renders.
-  python -m scripts.repro.tr_quality --reduced [--arm-timeout 170] [-- train.steps=500]
+  python -m scripts.repro.tr_quality --reduced [--seeds 0,1] [--arm-timeout 180] [-- train.steps=500]
   python -m scripts.repro.tr_quality --reduced --collect-only
 """
 from __future__ import annotations
@@ -251,22 +251,32 @@ def build_code_corpus(path: Path, max_bytes: int, seed: int = 0) -> dict:
             "python": sys.version.split()[0], "files_available": len(files)}
 
 
-def run_reduced(corpus_mb: int, arm_timeout: float | None, extra: list[str]) -> tuple[dict[str, Path], dict]:
-    """The three arms of the reduced run one after another on this GPU; an arm past arm_timeout is
-    killed and keeps the evaluations it logged (its curve is compared up to there)."""
+def run_reduced(seed: int, corpus_mb: int, arm_timeout: float | None, extra: list[str]) -> tuple[dict[str, Path], dict]:
+    """The three arms of the reduced run for one seed, one after another on this GPU; an arm past
+    arm_timeout is killed and keeps the evaluations it logged (its curve is compared up to there)."""
+    import torch  # noqa: PLC0415 - the device name for the report
+
     corpus = REDUCED_DIR / "corpus.jsonl"
-    info = {"corpus": build_code_corpus(corpus, corpus_mb << 20), "commands": {}, "completed": {}}
+    info = {"date": datetime.date.today().isoformat(), "seed": seed,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
+            "corpus": build_code_corpus(corpus, corpus_mb << 20), "commands": {}, "completed": {}}
     print(f"corpus {rel(corpus)}: {info['corpus']}", flush=True)
     dirs = {}
     for arm, (_, _, overrides) in ARMS.items():
-        dirs[arm] = run_dir = REDUCED_DIR / arm
+        dirs[arm] = run_dir = REDUCED_DIR / f"{arm}_s{seed}"
         if run_dir.exists():
             shutil.rmtree(run_dir)
-        cmd = [python(), "train.py", f"experiment={REDUCED}", *overrides, f"data.paths=[{rel(corpus)}]",
-               f"train.run_dir={rel(run_dir)}", "train.resume=none", *extra]
+        cmd = [python(), "train.py", f"experiment={REDUCED}", *overrides, f"train.seed={seed}",
+               f"data.paths=[{rel(corpus)}]", f"train.run_dir={rel(run_dir)}", "train.resume=none", *extra]
         info["commands"][arm] = " ".join(["python", *cmd[1:]])
         info["completed"][arm] = run(cmd, timeout=arm_timeout)
     return dirs, info
+
+
+def kept_metrics(kept: Path) -> dict[str, list[Path]]:
+    """<arm>.s<seed>.metrics.jsonl files per arm, by seed."""
+    return {arm: sorted(kept.glob(f"{arm}.s*.metrics.jsonl"), key=lambda f: int(f.name.split(".")[1][1:]))
+            for arm in ARMS}
 
 
 def logged_mean(rows: list[dict], key: str) -> float | None:
@@ -274,26 +284,29 @@ def logged_mean(rows: list[dict], key: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def reduced_note(kept: Path, info: dict, files: dict[str, list[Path]]) -> str:
+def reduced_note(kept: Path, infos: list[dict], files: dict[str, list[Path]]) -> str:
+    """What the reduced run is, from its kept run.s<seed>.json files and metrics."""
+    info = infos[0] if infos else {}
     corpus = info.get("corpus", {})
     speed = []
     for arm, fs in files.items():
-        rows = [r for r in read_jsonl(fs[0]) if r["step"] > 10]  # past the first-step compile
+        rows = [r for f in fs for r in read_jsonl(f) if r["step"] > 10]  # past the first-step compile
         tps, mfu = logged_mean(rows, "tokens_per_s_per_gpu"), logged_mean(rows, "mfu")
         if tps:
             speed.append(f"{ARMS[arm][0]} {tps / 1e3:.0f}k tokens/s" + (f" (MFU {100 * mfu:.1f}%)" if mfu else ""))
-    cut = [ARMS[a][0] for a, ok in info.get("completed", {}).items() if not ok]
+    cut = sorted({f"{ARMS[a][0]} seed {i['seed']}" for i in infos for a, ok in i.get("completed", {}).items() if not ok})
     return ("**Reduced run, not the paper's data or length**: configs/experiment/repro_tr_0p5b_reduced.yaml, the "
             "0.5B 8/64 architecture (12 layers, d 768, E 64, K 8, n 256, tile 128) and recipe (lr 6e-4 cosine, 10% "
             "warmup, wd 0.01, aux 0.01) at the paper's per-GPU micro-batch of 16 × 4096 tokens (T·K/E = 64 tiles "
-            f"per expert), on one {info.get('device', 'GPU')}, kernel backend triton. Data: byte-level Python source "
-            f"({corpus.get('documents', '?')} files, {corpus.get('bytes', 0) / 2**20:.0f} MiB of this machine's "
-            f"Python {corpus.get('python', '?')} stdlib and site-packages, sha256 {corpus.get('sha256', '?')[:12]}), "
-            "because FineWeb-Edu cannot reach the GPU machines; losses are nats per byte. One seed, so no noise "
-            "floor: read differences against the curves' own wobble. "
-            + (f"Cut by the time box before their last step: {', '.join(cut)}. " if cut else "")
+            f"per expert), on one {info.get('device', 'GPU')}, kernel backend triton, seeds "
+            f"{', '.join(str(i['seed']) for i in infos)} (differences are paired by seed). Data: byte-level Python "
+            f"source ({corpus.get('documents', '?')} files, {corpus.get('bytes', 0) / 2**20:.0f} MiB of the GPU "
+            f"machine's Python {corpus.get('python', '?')} stdlib and site-packages, sha256 "
+            f"{corpus.get('sha256', '?')[:12]}), because FineWeb-Edu cannot reach the GPU machines; losses are nats "
+            "per byte. " + (f"Cut by the time box before their last step: {', '.join(cut)}. " if cut else "")
             + ("Training speed (steady state): " + "; ".join(speed) + ". " if speed else "")
-            + f"Metrics and commands: `{rel(kept)}/`. Command: `{info.get('command', 'python -m scripts.repro.tr_quality --reduced')}`.")
+            + f"Metrics, corpus and commands: `{rel(kept)}/`. Commands: "
+            + "; ".join(f"`{i['command']}`" for i in infos if i.get("command")) + ".")
 
 
 def main(argv=None):
@@ -301,7 +314,7 @@ def main(argv=None):
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--proxy", action="store_true", help="the CPU proxy (configs/experiment/repro_tr_proxy.yaml)")
     mode.add_argument("--reduced", action="store_true", help=f"the one-GPU reduced run (configs/experiment/{REDUCED}.yaml)")
-    ap.add_argument("--seeds", default="0", help="--proxy: comma list of train.seed values (each runs all arms)")
+    ap.add_argument("--seeds", default="0", help="--proxy/--reduced: comma list of train.seed values (each runs all arms)")
     ap.add_argument("--collect-only", action="store_true", help="--proxy/--reduced: render the kept metrics, train nothing")
     ap.add_argument("--steps", type=int, default=None, help="--proxy: override train.steps")
     ap.add_argument("--corpus-mb", type=int, default=48, help="--reduced: MiB of Python source to train on")
@@ -331,8 +344,7 @@ def main(argv=None):
                 {"what": "rows routed in training mode / top-K rows, final weights, 8 training batches "
                          "(scripts/repro/tr_quality.py routed_fraction)", "command": command, **fractions},
                 indent=1) + "\n")
-        files = {arm: sorted(kept.glob(f"{arm}.s*.metrics.jsonl"), key=lambda f: int(f.name.split(".")[1][1:]))
-                 for arm in ARMS}
+        files = kept_metrics(kept)
         if not all(files.values()):
             raise SystemExit(f"no proxy metrics in {rel(kept)}: run without --collect-only first")
         if (kept / "routed_rows.json").exists():
@@ -352,25 +364,21 @@ def main(argv=None):
     elif args.reduced:
         kept = out_dir / "tr_reduced"
         if not args.collect_only:
-            import torch  # noqa: PLC0415 - the device name for the report
-
-            dirs, info = run_reduced(args.corpus_mb, args.arm_timeout, args.extra)
-            if kept.exists():
-                shutil.rmtree(kept)
-            kept.mkdir(parents=True)
-            for arm, run_dir in dirs.items():
-                if (run_dir / "metrics.jsonl").exists():
-                    shutil.copy(run_dir / "metrics.jsonl", kept / f"{arm}.metrics.jsonl")
-            info = {"command": command, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
-                    "date": datetime.date.today().isoformat(), **info}
-            (kept / "run.json").write_text(json.dumps(info, indent=1) + "\n")
-        info = json.loads((kept / "run.json").read_text()) if (kept / "run.json").exists() else {}
-        files = {arm: [kept / f"{arm}.metrics.jsonl"] for arm in ARMS if (kept / f"{arm}.metrics.jsonl").exists()}
+            kept.mkdir(parents=True, exist_ok=True)  # other seeds' kept runs stay
+            for seed in (int(v) for v in args.seeds.split(",")):
+                dirs, info = run_reduced(seed, args.corpus_mb, args.arm_timeout, args.extra)
+                for arm, run_dir in dirs.items():
+                    if (run_dir / "metrics.jsonl").exists():
+                        shutil.copy(run_dir / "metrics.jsonl", kept / f"{arm}.s{seed}.metrics.jsonl")
+                (kept / f"run.s{seed}.json").write_text(json.dumps({"command": command, **info}, indent=1) + "\n")
+        files = {arm: fs for arm, fs in kept_metrics(kept).items() if fs}
         if "topk" not in files:
             raise SystemExit(f"no reduced-run metrics in {rel(kept)}: run --reduced on a GPU first")
-        routed = {arm: [v] for arm, fs in files.items() if (v := logged_mean(read_jsonl(fs[0]), "routed_rows_ratio"))}
+        infos = [json.loads(f.read_text()) for f in sorted(kept.glob("run.s*.json"))]
+        routed = {arm: [v for f in fs if (v := logged_mean(read_jsonl(f), "routed_rows_ratio")) is not None]
+                  for arm, fs in files.items()}
         title = "REDUCED Table 3a on one GPU (0.5B 8/64 model, 20M tokens of code; not the paper's data or length)"
-        note = reduced_note(kept, info, files)
+        note = reduced_note(kept, infos, files)
         name = "tr_reduced"
     else:
         dirs = dict(zip(ARMS, args.runs)) if args.runs else FULL_DIRS

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sonic.kernels import saved
 from sonic.kernels.swiglu import acc, dswiglu, swiglu
 from sonic.routing.plan import RoutingPlan
 
@@ -62,14 +63,13 @@ class _SonicMoEReference(torch.autograd.Function):
             y = a @ w2_EDN[e].T
             y_RD[lo:hi] = y if b2_ED is None else y + b2_ED[e]
         out_TD = gather_sum(y_RD, plan, scores_R).to(x_TD.dtype)
-        ctx.save_for_backward(x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, *meta)
+        saved.save(ctx, x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, meta)
         return out_TD
 
     @staticmethod
     def backward(ctx, dout_TD):
-        x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, *meta = ctx.saved_tensors
-        plan = RoutingPlan.from_metadata(scores_R, meta)
-        token_idx_R = plan.token_idx_R
+        x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, plan = saved.restore(ctx)
+        scores_R, token_idx_R = plan.scores_R, plan.token_idx_R
         dt = x_TD.dtype
         R = token_idx_R.numel()
         tok = token_idx_R.long()
@@ -100,8 +100,8 @@ class _SonicMoEReference(torch.autograd.Function):
                 db1[e] = acc(dh).sum(0)
         dx_TD = gather_sum(dxt_RD, plan).to(dt)
         cast = lambda g, ref: None if g is None else g.to(ref.dtype)  # noqa: E731
-        return (dx_TD, cast(dw1, w1_EFD), cast(dw2, w2_EDN), cast(db1, b1_EF), cast(db2, b2_ED),
-                ds_R) + (None,) * len(meta)
+        return saved.grads(ctx, dx_TD, cast(dw1, w1_EFD), cast(dw2, w2_EDN), cast(db1, b1_EF), cast(db2, b2_ED),
+                           ds_R)
 
 
 def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sonic.kernels import saved
 from sonic.kernels.cute import ops
 from sonic.routing.plan import RoutingPlan
 
@@ -28,14 +29,13 @@ class _SonicMoECute(torch.autograd.Function):
         h_RF, a_RN = ops.up_proj(x_TD, w1_EFD, tok, off)
         y_RD = ops.down_proj(a_RN, w2_EDN, off, tok)
         out_TD = ops.gather_sum(y_RD, plan.token_offsets_T1, plan.rows_by_token_R, scores_R)
-        ctx.save_for_backward(x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, *meta)
+        saved.save(ctx, x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, meta)
         return out_TD
 
     @staticmethod
     def backward(ctx, dout_TD):
-        x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, *meta = ctx.saved_tensors
-        plan = RoutingPlan.from_metadata(scores_R, meta)
-        tok, off = plan.token_idx_R, plan.expert_offsets_E1
+        x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, plan = saved.restore(ctx)
+        scores_R, tok, off = plan.scores_R, plan.token_idx_R, plan.expert_offsets_E1
         E = w1_EFD.shape[0]
         dout_TD = dout_TD.to(x_TD.dtype).contiguous()
         dh_RF, ap_RN, ds_R = ops.dh(dout_TD, w2_EDN, h_RF, scores_R, tok, off)
@@ -43,7 +43,7 @@ class _SonicMoECute(torch.autograd.Function):
         dxt_RD = ops.dx_rows(dh_RF, w1_EFD, off, tok)
         dw1 = ops.dw1(dh_RF, x_TD, tok, off, E)
         dx_TD = ops.gather_sum(dxt_RD, plan.token_offsets_T1, plan.rows_by_token_R)
-        return (dx_TD, dw1, dw2, None, None, ds_R.to(scores_R.dtype)) + (None,) * len(meta)
+        return saved.grads(ctx, dx_TD, dw1, dw2, None, None, ds_R.to(scores_R.dtype))
 
 
 def check_inputs(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan, b1_EF, b2_ED) -> None:

@@ -13,6 +13,7 @@ import torch
 import triton
 from torch import Tensor
 
+from sonic.kernels import saved
 from sonic.kernels.triton import gemm, tuning
 from sonic.routing.plan import RoutingPlan
 
@@ -175,13 +176,13 @@ class _SonicMoETriton(torch.autograd.Function):
             y_RD = varlen_m(a_RN, w2_EDN, 1, N, D, b2_ED, maps, "down", key)
             del a_RN
             out_TD = gather_sum(y_RD, plan, scores_R, x_TD.dtype)
-        ctx.save_for_backward(x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, *meta)
+        saved.save(ctx, x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, meta)
         return out_TD
 
     @staticmethod
     def backward(ctx, dout_TD):
-        x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, *meta = ctx.saved_tensors
-        plan = RoutingPlan.from_metadata(scores_R, meta)
+        x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, plan = saved.restore(ctx)
+        scores_R = plan.scores_R
         T, D = x_TD.shape
         E, F, _ = w1_EFD.shape
         N, R = F // 2, plan.num_rows
@@ -190,8 +191,8 @@ class _SonicMoETriton(torch.autograd.Function):
         dout_TD = dout_TD.to(x_TD.dtype).contiguous()
         if R == 0:
             zero = lambda t: None if t is None else torch.zeros_like(t)  # noqa: E731
-            return (torch.zeros_like(x_TD), zero(w1_EFD), zero(w2_EDN), zero(b1_EF), zero(b2_ED),
-                    torch.zeros_like(scores_R)) + (None,) * len(meta)
+            return saved.grads(ctx, torch.zeros_like(x_TD), zero(w1_EFD), zero(w2_EDN), zero(b1_EF), zero(b2_ED),
+                               torch.zeros_like(scores_R))
         maps = _Maps(plan.expert_offsets_E1, R)
         tok = plan.token_idx_R
         dh_RF, aprime_RN, ds_R = dh(dout_TD, tok, scores_R, w2_EDN, b2_ED, h_RF, maps, key)
@@ -208,8 +209,8 @@ class _SonicMoETriton(torch.autograd.Function):
         if need[1] or need[3]:  # dW1_e = dH_e^T X[pi_e] ; db1_e = sum dH_e
             dw1, db1 = varlen_k(dh_RF, None, x_TD, tok, plan.expert_offsets_E1, w1_EFD.dtype,
                                 bias_grad=b1_EF is not None, key=key)
-        return (dx_TD, dw1, dw2, db1 if b1_EF is not None else None,
-                db2 if b2_ED is not None else None, ds_R.to(scores_R.dtype)) + (None,) * len(meta)
+        return saved.grads(ctx, dx_TD, dw1, dw2, db1 if b1_EF is not None else None,
+                           db2 if b2_ED is not None else None, ds_R.to(scores_R.dtype))
 
 
 def _check(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan, b1_EF, b2_ED) -> None:
