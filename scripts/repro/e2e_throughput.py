@@ -105,25 +105,32 @@ def run_training(layers: list[int], backends: list[str], steps: int, nproc: int,
 
     launcher = [python()] if nproc == 1 else [python(), "-m", "torch.distributed.run", "--standalone",
                                               f"--nproc-per-node={nproc}"]
-    out = {"what": f"training throughput of the paper's 7B MoE cut to {layers} layers on the embedded corpus "
-                   "(byte tokens, the 100k-vocabulary head kept): scripts/repro/e2e_throughput.py --run",
-           "date": datetime.date.today().isoformat(),
-           "device": f"{nproc}x {torch.cuda.get_device_name()}, torch {torch.__version__}", "runs": {}}
+    commands = {}
     for n_layers in layers:
         for backend in backends:
-            name = f"{backend}_{n_layers}L"
-            run_dir = REPO / "runs" / "e2e" / name
+            run_dir = REPO / "runs" / "e2e" / f"{backend}_{n_layers}L"
             shutil.rmtree(run_dir, ignore_errors=True)
             args = [*TRAIN_ARGS, f"model.num_layers={n_layers}", f"model.moe.kernel_backend={backend}",
                     f"train.steps={steps}", f"train.run_dir={rel(run_dir)}"]
             run([*launcher, "train.py", *args])
-            rows = read_jsonl(run_dir / "metrics.jsonl")
-            out["runs"][name] = {"command": " ".join(["python" if nproc == 1 else "torchrun", "train.py", *args]),
-                                 "steady_state": steady(rows, skip), "windows_of_5_steps": rows}
-    gpu = short(out["device"]).lower().replace(" ", "")
-    path = RESULTS / f"{out['date']}-{nproc if nproc > 1 else ''}{'x' if nproc > 1 else ''}{gpu}-e2e.json"
-    write_text(path, json.dumps(out, indent=1))
+            commands[run_dir] = " ".join(["python" if nproc == 1 else f"torchrun --nproc-per-node {nproc}",
+                                          "train.py", *args])
+    payload = e2e_payload(commands, f"{nproc}x {torch.cuda.get_device_name()}, torch {torch.__version__}", skip)
+    gpu = short(payload["device"]).lower().replace(" ", "")
+    path = RESULTS / f"{payload['date']}-{f'{nproc}x' if nproc > 1 else ''}{gpu}-e2e.json"
+    write_text(path, json.dumps(payload, indent=1))
     return path
+
+
+def e2e_payload(commands: dict[Path, str], device: str, skip: int) -> dict:
+    """The result JSON of --run from its runs' metrics.jsonl: steady state and every logged window."""
+    runs = {}
+    for run_dir, command in commands.items():
+        rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
+        runs[Path(run_dir).name] = {"command": command, "steady_state": steady(rows, skip), "windows_of_5_steps": rows}
+    return {"what": "training throughput of the paper's 7B MoE cut to a few layers on the embedded corpus (byte "
+                    "tokens, the 100k-vocabulary head kept), one process per GPU: scripts/repro/e2e_throughput.py --run",
+            "date": datetime.date.today().isoformat(), "device": device, "runs": runs}
 
 
 def render(runs: list[dict], out_dir: Path, peak_name: str = "H100") -> str:

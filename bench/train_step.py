@@ -1,0 +1,118 @@
+"""Where one training step's time goes: forward, backward, clip and optimizer, and the top kernels.
+
+    python -m bench.train_step [--model sonic_7b] [--layers 4] [--backend triton] [--batch 4x4096]
+
+The step is the trainer's (bf16 autocast, fp32 master weights, cross-entropy over the full
+vocabulary, grad clipping, AdamW), on random tokens, one GPU. Phases are timed with CUDA events
+(median of --steps after --warmup); the optimizer runs both as torch's foreach (the default) and
+fused implementation on the same gradients. Then one step under torch.profiler lists the CUDA
+kernels that take the most time. Writes --json (default bench/results/<date>-<gpu>-train_step.json).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import result_path, write_json
+from sonic.models import flops_per_token
+from sonic.models.presets import load_preset
+from sonic.models.transformer import Transformer
+
+
+def timed(fn, steps: int, warmup: int) -> float:
+    """Median milliseconds of fn() over `steps` calls after `warmup` calls."""
+    times = []
+    for i in range(warmup + steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="sonic_7b")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--backend", default="triton", help="model.moe.kernel_backend")
+    ap.add_argument("--batch", default="4x4096", help="micro-batch x sequence length")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--top", type=int, default=25, help="kernels listed from the profile")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.train_step needs a CUDA GPU")
+    B, S = (int(v) for v in args.batch.split("x"))
+    cfg = load_preset(args.model, num_layers=args.layers, moe={"kernel_backend": args.backend})
+    model = Transformer(cfg).cuda()
+    model.init_weights(seed=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    tokens = torch.randint(0, cfg.vocab_size, (B, S + 1), device="cuda")
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    def forward():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(inputs)
+        loss = F.cross_entropy(out.logits_BSV.flatten(0, 1).float(), labels.flatten())
+        return loss + out.router_loss
+
+    def fwd_bwd():
+        model.zero_grad(set_to_none=True)
+        forward().backward()
+
+    optimizers = {impl: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **{impl: True})
+                  for impl in ("foreach", "fused")}
+    fwd_bwd()
+    for opt in optimizers.values():
+        opt.step()  # creates the state, so the timed steps are steady-state ones
+
+    phases = {"forward (model + loss)": lambda: forward(), "forward + backward": fwd_bwd,
+              "clip_grad_norm": lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)}
+    phases.update({f"AdamW step, {impl}": opt.step for impl, opt in optimizers.items()})
+    ms = {}
+    for name, fn in phases.items():
+        with torch.no_grad() if name.startswith("forward (") else torch.enable_grad():
+            ms[name] = timed(fn, args.steps, args.warmup)
+    tokens_per_step = B * S
+    step_ms = {impl: ms["forward + backward"] + ms["clip_grad_norm"] + ms[f"AdamW step, {impl}"]
+               for impl in optimizers}
+    fpt = flops_per_token(cfg, S)
+    print(f"{args.model} cut to {args.layers} layers, backend {args.backend}, {B}x{S} tokens, "
+          f"{torch.cuda.get_device_name()}")
+    for name, v in ms.items():
+        print(f"  {name:>26}: {v:8.2f} ms")
+    summary = {}
+    for impl, v in step_ms.items():
+        tps = tokens_per_step / v * 1e3
+        summary[impl] = {"step_ms": v, "tokens_per_s": tps, "tflops": tps * fpt / 1e12}
+        print(f"  step with {impl:>7} AdamW: {v:8.2f} ms = {tps / 1e3:.1f}k tokens/s, "
+              f"{tps * fpt / 1e12:.0f} TFLOP/s by our FLOPs/token")
+
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fwd_bwd()
+        optimizers["foreach"].step()
+        torch.cuda.synchronize()
+    kernels = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
+                      if e.device_time_total > 0), key=lambda k: -k[1])
+    total = sum(k[1] for k in kernels)
+    print(f"\nCUDA time by kernel, one step ({total:.1f} ms in all):")
+    for name, t, n in kernels[:args.top]:
+        print(f"  {t:8.2f} ms {100 * t / total:5.1f}% x{n:<5} {name[:110]}")
+    path = result_path("train_step", args.json)
+    write_json(path, {"model": args.model, "layers": args.layers, "backend": args.backend, "batch": [B, S],
+                      "phases_ms": ms, "steps": summary,
+                      "kernels": [{"name": k, "ms": t, "count": n} for k, t, n in kernels[:100]]})
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
