@@ -39,7 +39,8 @@ def test_no_decay_on_norms_biases_embeddings():
 
 
 @pytest.mark.parametrize("kw, field", [({"schedule": "linear"}, "schedule"), ({"lr": 0.0}, "lr"),
-                                       ({"beta2": 1.0}, "beta2"), ({"min_lr_ratio": 2.0}, "min_lr_ratio")])
+                                       ({"beta2": 1.0}, "beta2"), ({"min_lr_ratio": 2.0}, "min_lr_ratio"),
+                                       ({"implementation": "apex"}, "implementation")])
 def test_bad_optim_config(kw, field):
     with pytest.raises(ValueError, match=field):
         OptimConfig(**kw)
@@ -51,3 +52,28 @@ def test_decoupled_weight_decay_shrinks_weights_without_gradient():
     p.grad = torch.zeros_like(p)
     opt.step()
     torch.testing.assert_close(p.detach(), torch.full((4, 4), 1 - 0.1 * 0.5))
+
+
+def test_the_three_adamw_implementations_take_the_same_step():
+    """optim.implementation picks torch's code path only: the updates agree to rounding."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=32, dim=16, num_layers=1, num_heads=2, moe=MoEConfig(num_experts=4, top_k=2, expert_dim=8))
+    base = Transformer(cfg)
+    base.init_weights(seed=0)
+    tokens = torch.randint(0, 32, (2, 8))
+    after = {}
+    for impl in ("fused", "foreach", "for_loop"):
+        model = Transformer(cfg)
+        model.load_state_dict(base.state_dict())
+        opt = build_optimizer(model, OptimConfig(implementation=impl))
+        assert opt.defaults["fused" if impl == "fused" else "foreach"] is (impl != "for_loop")
+        for _ in range(2):
+            out = model(tokens)
+            (out.logits_BSV.square().mean() + out.router_loss).backward()
+            opt.step()
+            opt.zero_grad()
+        after[impl] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    moved = (after["fused"] - torch.cat([p.detach().flatten() for p in base.parameters()])).abs().max()
+    assert moved > 1e-4  # the steps did something
+    for impl in ("foreach", "for_loop"):
+        torch.testing.assert_close(after[impl], after["fused"], rtol=1e-5, atol=1e-6)
