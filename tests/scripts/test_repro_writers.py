@@ -167,3 +167,61 @@ def test_e2e_throughput(tmp_path):
 def test_e2e_steady_state_skips_warmup():
     rows = [{"step": s, "tokens_per_s_per_gpu": t, "mfu": 0.1} for s, t in ((5, 1.0), (10, 4.0), (15, 6.0))]
     assert e2e_throughput.steady(rows, skip=5)["tokens_per_s_per_gpu"] == 5.0
+
+
+def test_e2e_payload_reads_each_runs_metrics(tmp_path):
+    rows = [{"step": s, "tokens_per_s_per_gpu": v, "tokens_per_s": v, "btokens_per_day": v * 86400 / 1e9, "mfu": 0.1}
+            for s, v in ((5, 1.0), (10, 100.0), (15, 300.0))]
+    run_dir = tmp_path / "cute_4L"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = "python train.py model=sonic_7b model.num_layers=4"
+    payload = e2e_throughput.e2e_payload({run_dir: cmd}, "1x NVIDIA H100 80GB HBM3, torch 2.11", skip=5)
+    run = payload["runs"]["cute_4L"]
+    assert run["command"] == cmd and run["windows_of_5_steps"] == rows
+    assert run["steady_state"]["tokens_per_s_per_gpu"] == 200.0  # the warm-up window is left out
+    src = tmp_path / "e2e.json"
+    src.write_text(json.dumps(payload))
+    runs = e2e_throughput.measured_runs([src], [], 40, 0)
+    assert (runs[0]["name"], runs[0]["layers"], runs[0]["device"]) == ("cute_4L", 4, "H100")
+
+
+def test_code_corpus_is_fixed_by_its_seed_and_capped(tmp_path, monkeypatch):
+    files = []
+    for i in range(20):
+        f = tmp_path / "src" / f"m{i}.py"
+        f.parent.mkdir(exist_ok=True)
+        f.write_text(f"x = {i}\n" * (i + 1))
+        files.append(f)
+    (tmp_path / "src" / "latin.py").write_bytes(b"s = '\xe9'\n")  # not UTF-8: skipped
+    monkeypatch.setattr(tr_quality, "python_sources", lambda: sorted((tmp_path / "src").glob("*.py")))
+    a = tr_quality.build_code_corpus(tmp_path / "a.jsonl", max_bytes=100)
+    b = tr_quality.build_code_corpus(tmp_path / "b.jsonl", max_bytes=100)
+    c = tr_quality.build_code_corpus(tmp_path / "c.jsonl", max_bytes=100, seed=1)
+    assert a["sha256"] == b["sha256"] != c["sha256"]
+    docs = [json.loads(line)["text"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert len(docs) == a["documents"] and 100 <= a["bytes"] < 100 + max(map(len, docs))  # stops past the cap
+    assert set(docs) <= {f.read_text() for f in files}
+    everything = tr_quality.build_code_corpus(tmp_path / "all.jsonl", max_bytes=10**9)
+    assert everything["documents"] == 20 and everything["files_available"] == 21
+
+
+@pytest.mark.slow
+def test_reduced_run_trains_three_arms_and_renders(tmp_path):
+    """--reduced end to end on CPU, with the model cut to a toy (the GPU run is the same commands)."""
+    toy = ["model.num_layers=1", "model.dim=32", "model.num_heads=2", "model.moe.expert_dim=16",
+           "model.moe.kernel_backend=reference", "model.moe.routing.tile_size=16", "train.seq_len=64",
+           "train.micro_batch_size=4", "train.steps=4", "train.eval_every=2", "train.log_every=2",
+           "optim.warmup_steps=1", "data.val_docs=8"]
+    tr_quality.main(["--reduced", "--seeds", "0,1", "--corpus-mb", "1", "--out-dir", str(tmp_path), "--", *toy])
+    kept = tmp_path / "tr_reduced"
+    assert sorted(f.name for f in kept.glob("*.metrics.jsonl")) == sorted(
+        f"{arm}.s{seed}.metrics.jsonl" for arm in tr_quality.ARMS for seed in (0, 1))
+    info = json.loads((kept / "run.s1.json").read_text())
+    assert info["completed"] == {arm: True for arm in tr_quality.ARMS} and info["corpus"]["documents"] > 0
+    assert all("train.seed=1" in c and "model.dim=32" in c for c in info["commands"].values())
+    text = (tmp_path / "tr_reduced.md").read_text()
+    assert "seeds 0, 1" in text and "over 2 paired seeds" in text
+    drop = next(line for line in text.splitlines() if line.startswith("| token drop"))
+    assert "| 2 | 4 |" in drop  # two seeds, four steps
+    _png(tmp_path / "tr_reduced.png")
