@@ -295,6 +295,9 @@ def reduced_note(kept: Path, infos: list[dict], files: dict[str, list[Path]]) ->
         if tps:
             speed.append(f"{ARMS[arm][0]} {tps / 1e3:.0f}k tokens/s" + (f" (MFU {100 * mfu:.1f}%)" if mfu else ""))
     cut = sorted({f"{ARMS[a][0]} seed {i['seed']}" for i in infos for a, ok in i.get("completed", {}).items() if not ok})
+    warn = [f"cut by the time box before their last step: {', '.join(cut)}"] if cut else []
+    if len({i.get("corpus", {}).get("sha256") for i in infos}) > 1:
+        warn.append("the seeds trained on different corpora (see run.s*.json)")
     return ("**Reduced run, not the paper's data or length**: configs/experiment/repro_tr_0p5b_reduced.yaml, the "
             "0.5B 8/64 architecture (12 layers, d 768, E 64, K 8, n 256, tile 128) and recipe (lr 6e-4 cosine, 10% "
             "warmup, wd 0.01, aux 0.01) at the paper's per-GPU micro-batch of 16 × 4096 tokens (T·K/E = 64 tiles "
@@ -303,7 +306,7 @@ def reduced_note(kept: Path, infos: list[dict], files: dict[str, list[Path]]) ->
             f"source ({corpus.get('documents', '?')} files, {corpus.get('bytes', 0) / 2**20:.0f} MiB of the GPU "
             f"machine's Python {corpus.get('python', '?')} stdlib and site-packages, sha256 "
             f"{corpus.get('sha256', '?')[:12]}), because FineWeb-Edu cannot reach the GPU machines; losses are nats "
-            "per byte. " + (f"Cut by the time box before their last step: {', '.join(cut)}. " if cut else "")
+            "per byte. " + (f"**Not like for like**: {'; '.join(warn)}. " if warn else "")
             + ("Training speed (steady state): " + "; ".join(speed) + ". " if speed else "")
             + f"Metrics, corpus and commands: `{rel(kept)}/`. Commands: "
             + "; ".join(f"`{i['command']}`" for i in infos if i.get("command")) + ".")
