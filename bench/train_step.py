@@ -7,11 +7,14 @@ vocabulary, grad clipping, AdamW), on random tokens, one GPU. Phases are timed w
 (median of --steps after --warmup); the optimizer runs both as torch's foreach (the default) and
 fused implementation on the same gradients. Then one step under torch.profiler lists the CUDA
 kernels that take the most time. Writes --json (default bench/results/<date>-<gpu>-train_step.json).
+`--device cpu` smoke-tests the script (fp32, wall-clock timings, CPU operators: meaningless numbers).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -22,17 +25,23 @@ from sonic.models.presets import load_preset
 from sonic.models.transformer import Transformer
 
 
-def timed(fn, steps: int, warmup: int) -> float:
-    """Median milliseconds of fn() over `steps` calls after `warmup` calls."""
+def timed(fn, steps: int, warmup: int, cuda: bool) -> float:
+    """Median milliseconds of fn() over `steps` calls after `warmup` calls (CUDA events on a GPU)."""
     times = []
     for i in range(warmup + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = 1e3 * (time.perf_counter() - t0)
         if i >= warmup:
-            times.append(start.elapsed_time(end))
+            times.append(ms)
     return statistics.median(times)
 
 
@@ -45,20 +54,22 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=25, help="kernels listed from the profile")
+    ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script (timings meaningless)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.train_step needs a CUDA GPU")
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("bench.train_step needs a CUDA GPU (or --device cpu for a smoke test)")
     B, S = (int(v) for v in args.batch.split("x"))
     cfg = load_preset(args.model, num_layers=args.layers, moe={"kernel_backend": args.backend})
-    model = Transformer(cfg).cuda()
+    model = Transformer(cfg).to(args.device)
     model.init_weights(seed=0)
     params = [p for p in model.parameters() if p.requires_grad]
-    tokens = torch.randint(0, cfg.vocab_size, (B, S + 1), device="cuda")
+    tokens = torch.randint(0, cfg.vocab_size, (B, S + 1), device=args.device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
     def forward():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
             out = model(inputs)
         loss = F.cross_entropy(out.logits_BSV.flatten(0, 1).float(), labels.flatten())
         return loss + out.router_loss
@@ -79,13 +90,13 @@ def main(argv=None):
     ms = {}
     for name, fn in phases.items():
         with torch.no_grad() if name.startswith("forward (") else torch.enable_grad():
-            ms[name] = timed(fn, args.steps, args.warmup)
+            ms[name] = timed(fn, args.steps, args.warmup, cuda)
     tokens_per_step = B * S
     step_ms = {impl: ms["forward + backward"] + ms["clip_grad_norm"] + ms[f"AdamW step, {impl}"]
                for impl in optimizers}
     fpt = flops_per_token(cfg, S)
     print(f"{args.model} cut to {args.layers} layers, backend {args.backend}, {B}x{S} tokens, "
-          f"{torch.cuda.get_device_name()}")
+          f"{torch.cuda.get_device_name() if cuda else 'CPU'}")
     for name, v in ms.items():
         print(f"  {name:>26}: {v:8.2f} ms")
     summary = {}
@@ -97,14 +108,16 @@ def main(argv=None):
 
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         fwd_bwd()
         optimizers["foreach"].step()
-        torch.cuda.synchronize()
-    kernels = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
-                      if e.device_time_total > 0), key=lambda k: -k[1])
+        if cuda:
+            torch.cuda.synchronize()
+    spent = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    kernels = sorted(((e.key, spent(e) / 1e3, e.count) for e in prof.key_averages() if spent(e) > 0),
+                     key=lambda k: -k[1])
     total = sum(k[1] for k in kernels)
-    print(f"\nCUDA time by kernel, one step ({total:.1f} ms in all):")
+    print(f"\n{'CUDA' if cuda else 'CPU'} time by {'kernel' if cuda else 'operator'}, one step ({total:.1f} ms in all):")
     for name, t, n in kernels[:args.top]:
         print(f"  {t:8.2f} ms {100 * t / total:5.1f}% x{n:<5} {name[:110]}")
     path = result_path("train_step", args.json)

@@ -1,0 +1,30 @@
+"""bench.train_step on CPU (its smoke mode): every phase is timed and the JSON adds up."""
+import json
+
+import pytest
+
+from bench import train_step
+
+
+def test_train_step_times_every_phase_and_both_optimizers(tmp_path):
+    out = tmp_path / "ts.json"
+    train_step.main(["--device", "cpu", "--model", "tiny", "--layers", "1", "--backend", "reference",
+                     "--batch", "2x32", "--steps", "1", "--warmup", "0", "--json", str(out)])
+    r = json.loads(out.read_text())
+    ms = r["phases_ms"]
+    assert set(ms) == {"forward (model + loss)", "forward + backward", "clip_grad_norm", "AdamW step, foreach",
+                       "AdamW step, fused"} and all(v > 0 for v in ms.values())
+    for impl in ("foreach", "fused"):
+        step = r["steps"][impl]
+        assert step["step_ms"] == pytest.approx(ms["forward + backward"] + ms["clip_grad_norm"] + ms[f"AdamW step, {impl}"])
+        assert step["tokens_per_s"] == pytest.approx(64 / step["step_ms"] * 1e3)
+    assert r["kernels"] and r["batch"] == [2, 32]
+
+
+def test_train_step_without_a_gpu_says_how_to_smoke_test():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    with pytest.raises(SystemExit, match="--device cpu"):
+        train_step.main([])
