@@ -4,8 +4,8 @@
 
 The step is the trainer's (bf16 autocast, fp32 master weights, cross-entropy over the full
 vocabulary, grad clipping, AdamW), on random tokens, one GPU. Phases are timed with CUDA events
-(median of --steps after --warmup); the optimizer runs both as torch's foreach (the default) and
-fused implementation on the same gradients. Then one step under torch.profiler lists the CUDA
+(median of --steps after --warmup); the optimizer runs both as torch's foreach (torch's default) and
+fused implementation (Sonic's default, optim.implementation) on the same gradients. Then one step under torch.profiler lists the CUDA
 kernels that take the most time. Writes --json (default bench/results/<date>-<gpu>-train_step.json).
 `--device cpu` smoke-tests the script (fp32, wall-clock timings, CPU operators: meaningless numbers).
 """
@@ -84,7 +84,7 @@ def main(argv=None):
     for opt in optimizers.values():
         opt.step()  # creates the state, so the timed steps are steady-state ones
 
-    phases = {"forward (model + loss)": lambda: forward(), "forward + backward": fwd_bwd,
+    phases = {"forward (model + loss)": forward, "forward + backward": fwd_bwd,
               "clip_grad_norm": lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)}
     phases.update({f"AdamW step, {impl}": opt.step for impl, opt in optimizers.items()})
     ms = {}

@@ -224,13 +224,14 @@ def main(argv=None):
     ap.add_argument("--out-dir", default=str(DOCS))
     args = ap.parse_args(argv)
     layers = [int(v) for v in args.layers.split(",")]
+    committed = [newest(p) for p in ("*-fsdp.json", "*-e2e.json") if sorted(RESULTS.glob(p))]
     if args.run:
-        jsons = [newest("*-fsdp.json"), run_training(layers, args.backends.split(","), args.steps, args.nproc,
-                                                     args.skip_steps)]
+        fresh = run_training(layers, args.backends.split(","), args.steps, args.nproc, args.skip_steps)
+        jsons = [p for p in committed if p != fresh] + [fresh]
     elif args.json is not None:
         jsons = [Path(p) for p in args.json]
     else:
-        jsons = [newest(p) for p in ("*-fsdp.json", "*-e2e.json") if sorted(RESULTS.glob(p))]
+        jsons = committed
     runs = measured_runs(jsons, [Path(p) for p in args.metrics], layers[0], args.skip_steps)
     if not runs:
         raise SystemExit("nothing to render: give --json or --metrics")
