@@ -17,15 +17,12 @@ from pathlib import Path
 
 import torch
 
+from bench.moe_layer import CONFIGS
 from sonic.kernels.cute.selfcheck import wait_or_exit
 
-SHAPES = {  # T, D, N, E, K (PAPER.md Table 9b and README.md)
-    "7b": (24576, 1536, 256, 128, 8),
-    "7b-n512": (24576, 1536, 512, 64, 4),
-    "1.4b": (40960, 768, 256, 128, 8),
-    "30b": (32768, 4096, 512, 128, 8),
-    "olmoe": (32768, 2048, 1024, 64, 8),
-    "small": (4096, 512, 256, 16, 4),
+SHAPES = {  # T, D, N, E, K: bench.moe_layer's paper configs under this script's --shape names
+    "7b": CONFIGS["7B"], "7b-n512": CONFIGS["7B-E64"], "1.4b": CONFIGS["1.4B"], "30b": CONFIGS["30B"],
+    "olmoe": CONFIGS["OLMoE"], "small": (4096, 512, 256, 16, 4),
 }
 PAPER_TF = {"up": 559, "down": 485, "dh": 328}  # 7B breakdown on H100 (PAPER.md)
 
