@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from sonic.data import DataConfig
 from sonic.models.config import ModelConfig
 from sonic.parallel.config import ParallelConfig
+from sonic.train.guard import NONFINITE_POLICIES
 from sonic.train.loggers import WandbConfig
 from sonic.train.optim import OptimConfig
 
@@ -37,6 +40,11 @@ class TrainConfig:
     lm_eval_every: int = 0  # lm-eval tasks every N steps (and at the end); 0 disables
     lm_eval_tasks: list[str] = field(default_factory=lambda: ["sonic_world"])
     lm_eval_limit: int | None = None  # examples per task; None = all
+    # A step whose global grad norm is not finite: skip it (weights and optimizer state unchanged,
+    # counted as skipped_steps) or stop before applying it. skip, because under a requeue loop a
+    # stop would resume into the same batch and fail again; see sonic/train/guard.py.
+    nonfinite: str = "skip"  # skip | stop
+    max_consecutive_skips: int = 10  # stop once this many steps in a row were skipped (a diverged run)
 
     def __post_init__(self):
         for name in ("steps", "micro_batch_size", "grad_accum", "seq_len", "log_every", "eval_batches"):
@@ -45,6 +53,11 @@ class TrainConfig:
         for name in ("eval_every", "save_every", "keep_last", "lm_eval_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be >= 0 (0 disables)")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"train.nonfinite={self.nonfinite!r} is not one of {', '.join(NONFINITE_POLICIES)}")
+        if self.max_consecutive_skips < 1:
+            raise ValueError(f"train.max_consecutive_skips={self.max_consecutive_skips} must be >= 1; a run that "
+                             f"skips every step never stops on its own")
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
 
@@ -69,6 +82,20 @@ def register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="_schema", node=Config)
+
+
+class CheckRunDir(Callback):
+    """Hydra creates train.run_dir (its run directory, for its logs) before train() starts: check it
+    first, so that an unwritable one gets our message, not a bare NotADirectoryError or PermissionError.
+    configs/config.yaml registers it under hydra.callbacks."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        from sonic.train.checkpoint import check_run_dir
+
+        try:
+            check_run_dir(Path(config.train.run_dir))
+        except ValueError as err:  # Hydra turns a callback's exceptions into warnings and goes on
+            raise SystemExit(f"ValueError: {err}") from err
 
 
 def to_config(raw: DictConfig | dict) -> Config:

@@ -80,7 +80,9 @@ def test_job_finishes_on_two_ranks_with_checkpoints(job):
     assert "2 worker(s)" in log and "2 rank(s) on cpu" in log
     assert f"step {STEPS} |" in log
     final = job["run_dir"] / "checkpoints" / f"step_{STEPS:08d}"
-    assert json.loads((final / "meta.json").read_text()) == {"step": STEPS, "world_size": 2}
+    meta = json.loads((final / "meta.json").read_text())
+    assert (meta["step"], meta["world_size"]) == (STEPS, 2)
+    assert {"__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt"} <= set(meta["files"])
     assert sorted(p.name for p in final.glob("extra_rank*.pt")) == ["extra_rank0.pt", "extra_rank1.pt"]
 
 

@@ -1,0 +1,143 @@
+"""The non-finite guard: a skipped step leaves weights and AdamW state exactly as they were, for
+each optim.implementation; stop raises first; consecutive skips stop the run; no host sync on
+the fused path."""
+import copy
+
+import pytest
+import torch
+
+from sonic.models import ModelConfig, MoEConfig, Transformer
+from sonic.train.config import TrainConfig
+from sonic.train.guard import NonFiniteGuard
+from sonic.train.optim import OptimConfig, build_optimizer
+
+CPU = torch.device("cpu")
+IMPLEMENTATIONS = ("fused", "foreach", "for_loop")
+
+
+def tiny() -> Transformer:
+    cfg = ModelConfig(vocab_size=32, dim=16, num_layers=1, num_heads=2, moe=MoEConfig(num_experts=4, top_k=2,
+                                                                                        expert_dim=8))
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    return model
+
+
+def backward(model, seed: int, poison: bool = False) -> torch.Tensor:
+    """Gradients of a fixed batch; poison=True puts a NaN in one gradient. Returns the clipped norm."""
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(seed))
+    out = model(tokens)
+    (out.logits_BSV.square().mean() + out.router_loss).backward()
+    if poison:
+        next(model.parameters()).grad.view(-1)[3] = float("nan")
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+
+def snapshot(model, optimizer):
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+
+
+def assert_same(a, b):
+    (ma, oa), (mb, ob) = a, b
+    for name in ma:
+        assert torch.equal(ma[name], mb[name]), name
+    assert oa["state"].keys() == ob["state"].keys()
+    for idx in oa["state"]:
+        for key, value in oa["state"][idx].items():
+            assert torch.equal(value, ob["state"][idx][key]), (idx, key)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_skipped_step_changes_nothing_and_the_next_step_is_as_if_it_never_happened(impl):
+    runs = {}
+    for name, poisoned_step in (("with a NaN step", True), ("without it", False)):
+        model = tiny()
+        optimizer = build_optimizer(model, OptimConfig(implementation=impl))
+        guard = NonFiniteGuard(optimizer, "skip", 3, CPU)
+        guard.step(backward(model, seed=1), step=1)
+        optimizer.zero_grad()
+        if poisoned_step:
+            before = snapshot(model, optimizer)
+            norm = backward(model, seed=2, poison=True)
+            assert not torch.isfinite(norm)
+            guard.step(norm, step=2)
+            optimizer.zero_grad()
+            assert_same(snapshot(model, optimizer), before)  # weights, exp_avg, exp_avg_sq and AdamW's step
+        guard.step(backward(model, seed=3), step=3)
+        runs[name] = snapshot(model, optimizer), guard.check()
+    assert_same(runs["with a NaN step"][0], runs["without it"][0])
+    assert (runs["with a NaN step"][1], runs["without it"][1]) == (1, 0)
+
+
+def test_fused_skip_reads_nothing_back_from_the_device(monkeypatch):
+    model = tiny()
+    optimizer = build_optimizer(model, OptimConfig(implementation="fused"))
+    guard = NonFiniteGuard(optimizer, "skip", 3, CPU)
+    norm = backward(model, seed=2, poison=True)
+
+    def host_sync(*args, **kwargs):
+        raise AssertionError("the guard read a device value on the host")
+
+    with monkeypatch.context() as m:
+        for method in ("item", "tolist", "__bool__", "__float__", "__int__"):
+            m.setattr(torch.Tensor, method, host_sync)
+        guard.step(norm, step=1)
+    assert guard.check() == 1
+    # the foreach path cannot take found_inf: it does read the flag (as GradScaler does)
+    foreach = NonFiniteGuard(build_optimizer(model, OptimConfig(implementation="foreach")), "skip", 3, CPU)
+    with monkeypatch.context() as m, pytest.raises(AssertionError, match="host"):
+        m.setattr(torch.Tensor, "item", host_sync)
+        foreach.step(norm, step=1)
+
+
+@pytest.mark.gpu
+def test_fused_guard_does_not_synchronize_on_cuda():
+    model = tiny().cuda()
+    optimizer = build_optimizer(model, OptimConfig(implementation="fused"))
+    guard = NonFiniteGuard(optimizer, "skip", 3, torch.device("cuda"))
+    norm = backward(model, seed=2, poison=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        guard.step(norm, step=1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert guard.check() == 1
+
+
+@pytest.mark.parametrize("impl", ("fused", "foreach"))
+def test_stop_raises_before_the_optimizer_step(impl):
+    model = tiny()
+    optimizer = build_optimizer(model, OptimConfig(implementation=impl))
+    guard = NonFiniteGuard(optimizer, "stop", 3, CPU)
+    guard.step(backward(model, seed=1), step=1)
+    optimizer.zero_grad()
+    before = snapshot(model, optimizer)
+    with pytest.raises(FloatingPointError, match=r"nan at step 2 \(train.nonfinite=stop\).*optim.lr"):
+        guard.step(backward(model, seed=2, poison=True), step=2)
+    assert_same(snapshot(model, optimizer), before)
+
+
+def test_consecutive_skips_stop_the_run_whenever_they_are_read():
+    model = tiny()
+    guard = NonFiniteGuard(build_optimizer(model, OptimConfig()), "skip", 2, CPU)
+    nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
+    for step, norm in enumerate((nan, one, nan, one), start=1):  # never two in a row
+        guard.step(norm, step)
+    assert guard.check() == 2
+    guard.step(nan, 5)
+    guard.step(nan, 6)  # the second in a row: the limit
+    guard.step(one, 7)  # a good step later does not undo it
+    resumed = NonFiniteGuard(build_optimizer(model, OptimConfig()), "skip", 2, CPU)
+    resumed.load_state_dict(guard.state_dict())  # as after a checkpoint
+    for g in (guard, resumed):
+        with pytest.raises(FloatingPointError, match=r"2 consecutive steps up to step 6.*max_consecutive_skips=2"):
+            g.check()
+    assert guard.state_dict() == {"skipped": 4, "consecutive": 0, "tripped_at": 6, "last_skipped": 6}
+
+
+@pytest.mark.parametrize("kw, field", [({"nonfinite": "ignore"}, "train.nonfinite"),
+                                       ({"max_consecutive_skips": 0}, "train.max_consecutive_skips")])
+def test_bad_nonfinite_config(kw, field):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**kw)
