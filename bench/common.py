@@ -8,7 +8,9 @@ import datetime
 import json
 import os
 import shlex
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -81,3 +83,23 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def median_ms(fn: Callable[[], object], steps: int, warmup: int, cuda: bool) -> float:
+    """Median milliseconds of fn() over `steps` calls after `warmup` calls (CUDA events on a GPU)."""
+    times = []
+    for i in range(warmup + steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = 1e3 * (time.perf_counter() - t0)
+        if i >= warmup:
+            times.append(ms)
+    return statistics.median(times)

@@ -2,8 +2,8 @@
 
     python -m bench.train_step [--model sonic_7b] [--layers 4] [--backend triton] [--batch 4x4096]
 
-The step is the trainer's (bf16 autocast, fp32 master weights, cross-entropy over the full
-vocabulary, grad clipping, AdamW), on random tokens, one GPU. Phases are timed with CUDA events
+The step is the trainer's (bf16 autocast, fp32 master weights, the model's LM head + loss backend,
+grad clipping, AdamW), on random tokens, one GPU. Phases are timed with CUDA events
 (median of --steps after --warmup); the optimizer runs both as torch's foreach (torch's default) and
 fused implementation (Sonic's default, optim.implementation) on the same gradients. Then one step under torch.profiler lists the CUDA
 kernels that take the most time. Writes --json (default bench/results/<date>-<gpu>-train_step.json).
@@ -13,36 +13,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
-import time
 
 import torch
-import torch.nn.functional as F
 
-from bench.common import result_path, write_json
+from bench.common import median_ms, result_path, write_json
 from sonic.models import flops_per_token
 from sonic.models.presets import load_preset
 from sonic.models.transformer import Transformer
-
-
-def timed(fn, steps: int, warmup: int, cuda: bool) -> float:
-    """Median milliseconds of fn() over `steps` calls after `warmup` calls (CUDA events on a GPU)."""
-    times = []
-    for i in range(warmup + steps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = 1e3 * (time.perf_counter() - t0)
-        if i >= warmup:
-            times.append(ms)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -54,6 +31,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=25, help="kernels listed from the profile")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block, as parallel.compile")
     ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script (timings meaningless)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -64,15 +42,17 @@ def main(argv=None):
     cfg = load_preset(args.model, num_layers=args.layers, moe={"kernel_backend": args.backend})
     model = Transformer(cfg).to(args.device)
     model.init_weights(seed=0)
+    if args.compile:
+        for block in model.layers:
+            block.compile()
     params = [p for p in model.parameters() if p.requires_grad]
     tokens = torch.randint(0, cfg.vocab_size, (B, S + 1), device=args.device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
     def forward():
         with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
-            out = model(inputs)
-        loss = F.cross_entropy(out.logits_BSV.flatten(0, 1).float(), labels.flatten())
-        return loss + out.router_loss
+            out = model(inputs, labels_BS=labels)  # the model's loss backend (model.loss_backend)
+        return out.loss + out.router_loss
 
     def fwd_bwd():
         model.zero_grad(set_to_none=True)
@@ -90,7 +70,7 @@ def main(argv=None):
     ms = {}
     for name, fn in phases.items():
         with torch.no_grad() if name.startswith("forward (") else torch.enable_grad():
-            ms[name] = timed(fn, args.steps, args.warmup, cuda)
+            ms[name] = median_ms(fn, args.steps, args.warmup, cuda)
     tokens_per_step = B * S
     step_ms = {impl: ms["forward + backward"] + ms["clip_grad_norm"] + ms[f"AdamW step, {impl}"]
                for impl in optimizers}
@@ -122,6 +102,7 @@ def main(argv=None):
         print(f"  {t:8.2f} ms {100 * t / total:5.1f}% x{n:<5} {name[:110]}")
     path = result_path("train_step", args.json)
     write_json(path, {"model": args.model, "layers": args.layers, "backend": args.backend, "batch": [B, S],
+                      "compile": args.compile,
                       "phases_ms": ms, "steps": summary,
                       "kernels": [{"name": k, "ms": t, "count": n} for k, t, n in kernels[:100]]})
     print(f"\nwrote {path}")

@@ -14,3 +14,28 @@ def compose_config(*overrides: str) -> Config:
     register_schema()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
         return to_config(compose(config_name="config", overrides=list(overrides)))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker, args: tuple, nprocs: int, timeout_s: float, what: str) -> None:
+    """Run worker(rank, *args) in `nprocs` spawned processes; a failing rank's error is re-raised,
+    and ranks still running after timeout_s are killed and the test fails."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    workers = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not workers.join(timeout=5):  # raises if a worker failed
+        if time.monotonic() > deadline:
+            for proc in workers.processes:
+                proc.kill()
+            pytest.fail(f"the {what} worker processes did not finish within {timeout_s:.0f} s")

@@ -2,20 +2,19 @@
 
 The paper (PAPER.md "End to end"): the 7B MoE (sonic_7b preset: 40 layers, E 128, K 8, n 256)
 trained with FSDP-2 does 213B tokens/day on 64 H100s, 3.33B per GPU per day; ScatterMoE 225B
-on 96. What we can measure on the lent GPUs is the same model cut to a few layers (40 layers
-with AdamW need ~108 GB of weights and optimizer state: more than one GPU holds). Tokens per
-GPU per day of a cut model are not comparable to 40 layers, so the table also gives MFU (our
-FLOPs/token formula, sonic.models.flops_per_token) and, derived from it, what the 40-layer
-model would do at the measured MFU; a 4-layer model spends about half its FLOPs in the
-100k-vocabulary head, so that is a rough estimate, not a measurement.
+on 96. MFU uses our FLOPs/token formula (sonic.models.flops_per_token) for every row, the
+paper's included (its implied MFU).
 
-  python -m scripts.repro.e2e_throughput                                  # newest *-fsdp.json, *-e2e.json
+  python -m scripts.repro.e2e_throughput                                  # render the committed results
   python -m scripts.repro.e2e_throughput --metrics runs/sonic_7b/metrics.jsonl   # a real run
-  python -m scripts.repro.e2e_throughput --run --layers 4,8 --backends cute,triton [--nproc 2]   # GPU
+  python -m scripts.repro.e2e_throughput --run [--layers 40] [--backends triton,grouped_mm]   # GPU
 
---run trains the 7B model cut to each --layers count with each kernel backend for --steps steps
-(embedded corpus, 4 x 4096 tokens per GPU as the paper's recipe), then writes
-bench/results/<date>-<gpu>-e2e.json (steady state and 5-step windows of every run) and renders.
+--run trains the full 40-layer sonic_7b with the real trainer (`torchrun` over every visible GPU,
+FSDP-2, 4 x 4096 tokens per GPU as the paper's recipe) on the offline BPE text (`data=local_bpe`)
+for --steps steps per backend, the torchtitan-style grouped_mm peer for --peer-steps, and writes
+bench/results/<date>-<N>x<gpu>-e2e-40L.json: one record per backend with its steady-state
+tokens/s/GPU, B tokens/GPU/day, MFU, peak memory and every layer's max/mean expert load at the
+last logged step (routing health where the speed was measured), then renders.
 
 The 64-GPU run (8 nodes x 8 H100):
   sbatch --nodes 8 --gpus-per-node 8 scripts/slurm/train.sbatch experiment=sonic_7b
@@ -27,6 +26,7 @@ import datetime
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 from scripts.repro import paper
@@ -36,6 +36,19 @@ from scripts.repro.common import (DOCS, REPO, RESULTS, fmt, load_json, md_table,
 PAPER_LAYERS = 40  # configs/model/sonic_7b.yaml, the lm-engine recipe PAPER.md points to
 SEQ_LEN = 4096
 SLURM_64 = "sbatch --nodes 8 --gpus-per-node 8 scripts/slurm/train.sbatch experiment=sonic_7b"
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """'mb8=train.micro_batch_size=8,parallel.x=y' -> ('mb8', ['train.micro_batch_size=8', 'parallel.x=y'])."""
+    name, sep, overrides = text.partition("=")
+    if not sep or not name or not overrides:
+        raise SystemExit(f"--variant {text!r}: write NAME=OVERRIDE[,OVERRIDE...], e.g. mb8=train.micro_batch_size=8")
+    return name, overrides.split(",")
+
+
+def git_commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
 
 
 def flops_per_token(num_layers: int) -> float:
@@ -85,41 +98,76 @@ def measured_runs(jsons: list[Path], metrics: list[Path], layers: int, skip: int
     runs = []
     for path in jsons:
         payload = load_json(path)
+        worst = {rec["run"]: max(rec["max_load_over_mean"]) for rec in payload.get("records", [])
+                 if rec.get("run") and rec["max_load_over_mean"]}
         for name, r in payload["runs"].items():
             m = re.search(r"model\.num_layers=(\d+)", r["command"])
             runs.append({"name": name, "layers": int(m.group(1)) if m else layers, "device": short(payload["device"]),
-                         "source": path, "command": r["command"], **r["steady_state"]})
+                         "source": path, "command": r["command"], **r["steady_state"],
+                         **({"worst_load": f"{worst[name]:.2f}"} if name in worst else {})})
     for path in metrics:
         runs.append({"name": path.parent.name, "layers": layers, "device": "GPU", "source": path,
                      "command": "", **steady(read_jsonl(path), skip)})
     return runs
 
 
-TRAIN_ARGS = ["model=sonic_7b", f"train.seq_len={SEQ_LEN}", "train.micro_batch_size=4", "train.log_every=5",
+TRAIN_ARGS = ["experiment=sonic_7b", f"train.seq_len={SEQ_LEN}", "train.micro_batch_size=4", "train.log_every=5",
               "train.eval_every=0", "train.save_every=0", "train.progress=false", "train.resume=none"]
 
 
-def run_training(layers: list[int], backends: list[str], steps: int, nproc: int, skip: int) -> Path:
-    """Train each (layers, backend) for `steps` steps on this machine's GPUs; one result JSON for all."""
+def run_training(layers: list[int], backends: list[str], steps: int, peer_steps: int, nproc: int, skip: int,
+                 data: str, commit: str, timeout: float | None, variants: dict[str, list[str]],
+                 variant_steps: int) -> Path:
+    """Train each (layers, backend) with the real trainer on this machine's GPUs; one result JSON for all.
+
+    grouped_mm (torchtitan-style torch._grouped_mm experts, the peer) runs `peer_steps` steps: it holds
+    ~10x the activation memory and is only timed. Each variant (name -> overrides) runs the first
+    backend for `variant_steps` steps with its overrides: the levers measured in the same job. A
+    run past `timeout` seconds is killed and keeps what it logged."""
     import torch  # noqa: PLC0415
 
     launcher = [python()] if nproc == 1 else [python(), "-m", "torch.distributed.run", "--standalone",
                                               f"--nproc-per-node={nproc}"]
     commands = {}
+    jobs = [(backend, "", []) for backend in backends] + [(backends[0], name, o) for name, o in variants.items()]
     for n_layers in layers:
-        for backend in backends:
-            run_dir = REPO / "runs" / "e2e" / f"{backend}_{n_layers}L"
+        for backend, variant, overrides in jobs:
+            run_dir = REPO / "runs" / "e2e" / f"{backend}{'_' + variant if variant else ''}_{n_layers}L"
             shutil.rmtree(run_dir, ignore_errors=True)
-            args = [*TRAIN_ARGS, f"model.num_layers={n_layers}", f"model.moe.kernel_backend={backend}",
-                    f"train.steps={steps}", f"train.run_dir={rel(run_dir)}"]
-            run([*launcher, "train.py", *args])
-            commands[run_dir] = " ".join(["python" if nproc == 1 else f"torchrun --nproc-per-node {nproc}",
-                                          "train.py", *args])
-    payload = e2e_payload(commands, f"{nproc}x {torch.cuda.get_device_name()}, torch {torch.__version__}", skip)
+            n_steps = variant_steps if variant else peer_steps if backend == "grouped_mm" else steps
+            args = [*TRAIN_ARGS, f"data={data}", f"model.num_layers={n_layers}", f"model.moe.kernel_backend={backend}",
+                    f"train.steps={n_steps}", f"train.run_dir={rel(run_dir)}", *overrides]
+            run([*launcher, "train.py", *args], timeout=timeout)
+            if (run_dir / "metrics.jsonl").is_file():
+                commands[run_dir] = " ".join(["python" if nproc == 1 else f"torchrun --nproc-per-node {nproc}",
+                                              "train.py", *args])
+    device = torch.cuda.get_device_name()
+    payload = e2e_payload(commands, f"{nproc}x {device}, torch {torch.__version__}", skip)
+    payload["records"] = e2e_records(commands, nproc, short(device), skip, commit)
     gpu = short(payload["device"]).lower().replace(" ", "")
-    path = RESULTS / f"{payload['date']}-{f'{nproc}x' if nproc > 1 else ''}{gpu}-e2e.json"
+    tag = "-".join(sorted({f"{n}L" for n in layers}))
+    path = RESULTS / f"{payload['date']}-{nproc}x{gpu}-e2e-{tag}.json"
     write_text(path, json.dumps(payload, indent=1))
     return path
+
+
+def e2e_records(commands: dict[Path, str], nproc: int, gpu: str, skip: int, commit: str) -> list[dict]:
+    """One record per run: steady-state speed over the steps after `skip`, and every layer's
+    max/mean expert load at the last logged step (routing health at the end of the run)."""
+    records = []
+    for run_dir, command in commands.items():
+        rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
+        state, last = steady(rows, skip), rows[-1]
+        layers = int(re.search(r"model\.num_layers=(\d+)", command).group(1))
+        loads = [last[f"expert_load_max/{i}"] for i in range(layers) if f"expert_load_max/{i}" in last]
+        records.append({"layers": layers, "num_gpus": nproc, "gpu": gpu, "run": Path(run_dir).name,
+                        "backend": re.search(r"kernel_backend=(\w+)", command).group(1),
+                        "tokens_per_s_per_gpu": state["tokens_per_s_per_gpu"],
+                        "btokens_per_gpu_day": per_gpu_day(state["tokens_per_s_per_gpu"]),
+                        "mfu": state.get("mfu"), "peak_mem_gib": state.get("mem_peak_gib"),
+                        "max_load_over_mean": loads, "steps": last["step"], "steps_averaged": state["steps_averaged"],
+                        "loss_first_last": [rows[0]["loss"], last["loss"]], "commit": commit, "command": command})
+    return records
 
 
 def e2e_payload(commands: dict[Path, str], device: str, skip: int) -> dict:
@@ -128,8 +176,8 @@ def e2e_payload(commands: dict[Path, str], device: str, skip: int) -> dict:
     for run_dir, command in commands.items():
         rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
         runs[Path(run_dir).name] = {"command": command, "steady_state": steady(rows, skip), "windows_of_5_steps": rows}
-    return {"what": "training throughput of the paper's 7B MoE cut to a few layers on the embedded corpus (byte "
-                    "tokens, the 100k-vocabulary head kept), one process per GPU: scripts/repro/e2e_throughput.py --run",
+    return {"what": "training throughput of the paper's 7B MoE with the real trainer, one process per GPU: "
+                    "scripts/repro/e2e_throughput.py --run",
             "date": datetime.date.today().isoformat(), "device": device, "runs": runs}
 
 
@@ -167,6 +215,7 @@ def render(runs: list[dict], out_dir: Path, peak_name: str = "H100") -> str:
                               "est. B tokens/GPU/day, 40 layers at this MFU", "peak mem GiB"]), "",
              "Commands of the measured runs:", ""]
     lines += [f"- {r['name']}: `{r['command']}`" for r in runs if r["command"]]
+    lines += lever_sections(runs)
     lines += ["", "The paper's configuration (64 GPUs = 8 nodes × 8; FSDP-2 over all 64, or HSDP with "
               "`parallel.dp_replicate=8`), not run yet:", "", f"```bash\n{SLURM_64}\n```", "",
               "Then `python -m scripts.repro.e2e_throughput --metrics runs/sonic_7b/metrics.jsonl` puts its "
@@ -176,6 +225,41 @@ def render(runs: list[dict], out_dir: Path, peak_name: str = "H100") -> str:
     write_text(out_dir / "e2e_throughput.md", text)
     plot(runs, paper_tps, paper_mfu, scatter_gpu_day, out_dir / "e2e_throughput.png")
     return text
+
+
+def lever_sections(runs: list[dict]) -> list[str]:
+    """Markdown: each fast path's effect on one GPU (the newest *-levers.json, sonic_7b cut to a few
+    layers) and on the 40-layer model (its --run records: peer, variants), as ratios on one GPU kind."""
+    lines = []
+    lever_files = sorted(RESULTS.glob("*-levers.json"))
+    if lever_files:
+        src = lever_files[-1]
+        payload = load_json(src)
+        rows = [r for r in payload["rows"] if "tokens_per_s" in r]
+        base = rows[0]["tokens_per_s"]
+        table = [[r["lever"], fmt(r["tokens_per_s"] / 1e3, 1), f"{r['tokens_per_s'] / base:.2f}",
+                  f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "–", fmt(r.get("peak_mem_gib"), 1)] for r in rows]
+        lines += ["", f"## Levers, one at a time ({payload['model']} cut to {payload['layers']} layers, "
+                  f"{payload['batch'][0]}x{payload['batch'][1]} tokens, {payload['device']})", "",
+                  f"`{payload['command']}` → `{rel(src)}`. Cumulative down to `+ compile`; the rows below it swap "
+                  "one piece of that rung (another loss or attention backend, document-masked batches).", "",
+                  md_table(table, ["lever", "k tokens/s", "× before", "MFU", "peak GiB"])]
+    forty = [r for r in runs if r["layers"] == PAPER_LAYERS]
+    if forty:
+        base = next((r for r in forty if r["name"] == "triton_40L"), forty[0])["tokens_per_s_per_gpu"]
+        table = [[r["name"], r["device"], fmt(r["tokens_per_s_per_gpu"] / 1e3, 1), f"{r['tokens_per_s_per_gpu'] / base:.2f}",
+                  f"{per_gpu_day(r['tokens_per_s_per_gpu']):.2f}", f"{100 * r['mfu']:.1f}%" if "mfu" in r else "–",
+                  fmt(r.get("mem_peak_gib"), 1), r.get("worst_load", "–")] for r in forty]
+        lines += ["", "## The 40-layer model: the peer and the levers that need the full model", "",
+                  "Same job, same GPUs, the real trainer (`--run`). `grouped_mm` is the torchtitan-style peer "
+                  "(torch._grouped_mm experts in our model); `noreshard` keeps each block's gathered bf16 weights "
+                  "from forward to backward (parallel.reshard_after_forward=false: no second all-gather); `mb8` "
+                  "doubles the micro-batch to 8 x 4096 (the paper's recipe is 4; its global batch, 1M tokens on "
+                  "64 GPUs, is still 16x ours). Worst load: the largest max/mean expert load over the 40 layers "
+                  "at the last logged step.", "",
+                  md_table(table, ["run", "GPU", "k tokens/s/GPU", "× triton_40L", "B tokens/GPU/day", "MFU",
+                                   "peak GiB", "worst load"])]
+    return lines
 
 
 def plot(runs, paper_tps, paper_mfu, scatter_gpu_day, path: Path) -> None:
@@ -214,19 +298,33 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", nargs="*", default=None,
                     help="result files (default: the newest bench/results/*-fsdp.json and *-e2e.json)")
-    ap.add_argument("--run", action="store_true", help="(GPU) train first, write bench/results/<date>-<gpu>-e2e.json")
-    ap.add_argument("--backends", default="triton", help="--run: comma list of model.moe.kernel_backend")
-    ap.add_argument("--steps", type=int, default=40, help="--run: training steps per run")
-    ap.add_argument("--nproc", type=int, default=1, help="--run: GPUs (torchrun) per run")
+    ap.add_argument("--run", action="store_true",
+                    help="(GPU) train first, write bench/results/<date>-<N>x<gpu>-e2e-<layers>L.json")
+    ap.add_argument("--backends", default="triton,grouped_mm", help="--run: comma list of model.moe.kernel_backend")
+    ap.add_argument("--steps", type=int, default=200, help="--run: training steps per run")
+    ap.add_argument("--peer-steps", type=int, default=60, help="--run: steps of the grouped_mm peer")
+    ap.add_argument("--nproc", type=int, default=0, help="--run: GPUs (torchrun) per run; 0 = all visible")
+    ap.add_argument("--data", default="local_bpe", help="--run: the data= choice (offline BPE text by default)")
+    ap.add_argument("--commit", default="", help="--run: the commit measured, for the record")
+    ap.add_argument("--run-timeout", type=float, default=None, help="--run: seconds before a run is killed")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDE[,OVERRIDE]",
+                    help="--run: also run the first backend with these Hydra overrides (repeatable)")
+    ap.add_argument("--variant-steps", type=int, default=100, help="--run: steps of each variant")
     ap.add_argument("--metrics", nargs="*", default=[], help="metrics.jsonl of sonic_7b training runs")
     ap.add_argument("--layers", default=str(PAPER_LAYERS), help="--metrics: model.num_layers; --run: comma list")
-    ap.add_argument("--skip-steps", type=int, default=10, help="--metrics runs: warm-up steps left out")
+    ap.add_argument("--skip-steps", type=int, default=20, help="warm-up (compile) steps left out of the means")
     ap.add_argument("--out-dir", default=str(DOCS))
     args = ap.parse_args(argv)
     layers = [int(v) for v in args.layers.split(",")]
     committed = [newest(p) for p in ("*-fsdp.json", "*-e2e.json") if sorted(RESULTS.glob(p))]
+    committed += sorted(RESULTS.glob("*-e2e-40L*.json"))  # the 40-layer runs and their levers
     if args.run:
-        fresh = run_training(layers, args.backends.split(","), args.steps, args.nproc, args.skip_steps)
+        import torch  # noqa: PLC0415
+
+        nproc = args.nproc or torch.cuda.device_count()
+        fresh = run_training(layers, args.backends.split(","), args.steps, args.peer_steps, nproc, args.skip_steps,
+                             args.data, args.commit or git_commit(), args.run_timeout,
+                             dict(parse_variant(v) for v in args.variant), args.variant_steps)
         jsons = [p for p in committed if p != fresh] + [fresh]
     elif args.json is not None:
         jsons = [Path(p) for p in args.json]

@@ -29,17 +29,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import math
-import random
 import shutil
 import sys
-import sysconfig
 from pathlib import Path
 
 from scripts.repro import paper
 from scripts.repro.common import DOCS, REPO, md_table, pyplot, python, read_jsonl, rel, run, save_figure, write_text
+from sonic.data.local_text import build_code_corpus  # the reduced run's corpus (shared with data=local_bpe)
 
 ARMS = {  # arm: (label, paper's column in TABLE_3A, train.py overrides)
     "topk": ("top-K", "topk", ["routing=topk"]),
@@ -217,38 +215,6 @@ def run_proxy(seeds: list[int], steps: int | None, extra: list[str]) -> dict[tup
             run(cmd + extra)
             dirs[arm, seed] = run_dir
     return dirs
-
-
-def python_sources() -> list[Path]:
-    """Every .py file of this interpreter's standard library and site-packages, sorted."""
-    roots = {Path(sysconfig.get_paths()[k]) for k in ("stdlib", "purelib", "platlib")}
-    return sorted({f for root in roots if root.is_dir() for f in root.rglob("*.py") if f.is_file()})
-
-
-def build_code_corpus(path: Path, max_bytes: int, seed: int = 0) -> dict:
-    """The reduced run's data: this interpreter's Python sources, one document per file, in a seeded
-    order, up to max_bytes. Real text that a 0.5B model cannot exhaust in minutes, with no network."""
-    files = python_sources()
-    random.Random(seed).shuffle(files)
-    digest, docs, size = hashlib.sha256(), 0, 0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for file in files:
-            if size >= max_bytes:
-                break
-            try:
-                text = file.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue  # a few sources are Latin-1 or unreadable: skipped, the rest is plenty
-            if text.strip():
-                line = json.dumps({"text": text}) + "\n"
-                f.write(line)
-                digest.update(line.encode())
-                docs, size = docs + 1, size + len(text.encode())
-    tmp.replace(path)
-    return {"documents": docs, "bytes": size, "sha256": digest.hexdigest(), "seed": seed,
-            "python": sys.version.split()[0], "files_available": len(files)}
 
 
 def run_reduced(seed: int, corpus_mb: int, arm_timeout: float | None, extra: list[str]) -> tuple[dict[str, Path], dict]:

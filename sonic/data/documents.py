@@ -1,4 +1,4 @@
-"""Where documents come from: the embedded corpus, local files, or Hugging Face `datasets`.
+"""Where documents come from: the embedded corpus, local files, the local text corpus, or HF `datasets`.
 
 Everything here yields raw text in a fixed order; tokenising, splitting and packing happen later,
 so on-the-fly loading and `prepare` see the same document sequence.
@@ -42,6 +42,10 @@ def components(cfg) -> list[list[str]]:
     """One file list per mixture component (per `paths` entry, or all of them as one when unweighted)."""
     if cfg.source == "embedded":
         return [[embedded_path()]]
+    if cfg.source == "local_text":
+        from sonic.data.local_text import ensure_corpus  # builds it on first use
+
+        return [[str(ensure_corpus(cfg.cache_dir)[0])]]
     assert cfg.source == "files", cfg.source
     groups = [expand(p) for p in cfg.paths]
     return groups if cfg.weights is not None else [[f for g in groups for f in g]]
@@ -128,9 +132,10 @@ def iter_documents(cfg) -> Iterator[tuple[int, str]]:
             yield 0, text
         return
     txt_docs = "paragraph" if cfg.source == "embedded" else cfg.txt_docs
+    text_column = "text" if cfg.source == "local_text" else cfg.text_column
     for c, files in enumerate(components(cfg)):
         for path in files:
-            for text in file_docs(path, cfg.text_column, txt_docs):
+            for text in file_docs(path, text_column, txt_docs):
                 yield c, text
 
 
@@ -140,6 +145,8 @@ def source_label(cfg, component: int = 0) -> str:
         return _hf_label(cfg, cfg.split)
     if cfg.source == "shards":
         return cfg.paths[component]
+    if cfg.source == "local_text":
+        return f"the local text corpus (in {cfg.cache_dir}/local_text)"
     files = components(cfg)[component]
     return ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
 

@@ -22,15 +22,16 @@ import numpy as np
 from sonic.data import documents, shards
 from sonic.data.config import DataConfig
 from sonic.data.corpus import tokenize_chunk
-from sonic.data.tokenizer import load_tokenizer, token_dtype
+from sonic.data.tokenizer import build_tokenizer, load_tokenizer, token_dtype
 
 SOURCE_KEYS = ("source", "name", "subset", "split", "paths", "text_column", "txt_docs", "tokenizer")
+# cache_dir is left out: it says where local_text / local_bpe are cached, not what they hold
 
 _worker_tokenizer = []  # one per pool process, set by its initializer (a pool task has no other channel)
 
 
-def _init_worker(name: str) -> None:
-    _worker_tokenizer.append(load_tokenizer(name))
+def _init_worker(name: str, cache_dir: str) -> None:
+    _worker_tokenizer.append(load_tokenizer(name, cache_dir))
 
 
 def _tokenize(tokenizer, task):
@@ -140,8 +141,9 @@ def _start_index(out: str, cfg: DataConfig, tokenizer) -> dict:
 
 
 def prepare(cfg: DataConfig, out: str, procs: int = 0, shard_tokens: int = 100_000_000,
-            max_docs: int | None = None, chunk_docs: int = 256, progress: bool = True) -> dict:
-    """Tokenises `cfg`'s documents into shards under `out`; returns the final index.
+            max_docs: int | None = None, chunk_docs: int = 256, progress: bool = True, tokenizer=None) -> dict:
+    """Tokenises `cfg`'s documents into shards under `out`; returns the final index. `tokenizer`: the one
+    `cfg.tokenizer` names, when the caller has it loaded already.
 
     Shards close at the first chunk boundary past `shard_tokens`, so a shard's end is always a
     resumable source position.
@@ -155,14 +157,14 @@ def prepare(cfg: DataConfig, out: str, procs: int = 0, shard_tokens: int = 100_0
                          "in paths (source: shards) with the weights")
     if shard_tokens < 1 or chunk_docs < 1:
         raise ValueError(f"shard_tokens={shard_tokens} and chunk_docs={chunk_docs} must be >= 1")
-    tokenizer = load_tokenizer(cfg.tokenizer)
+    tokenizer = tokenizer or build_tokenizer(cfg)
     os.makedirs(out, exist_ok=True)
     index = _start_index(out, cfg, tokenizer)
     if index["complete"]:
         return index
     writer = _ShardWriter(out, index)
     bar = tqdm(desc=f"prepare {out}", unit=" docs", initial=index["docs_read"], disable=not progress)
-    pool = mp.get_context().Pool(procs, _init_worker, (cfg.tokenizer,)) if procs > 0 else None
+    pool = mp.get_context().Pool(procs, _init_worker, (cfg.tokenizer, cfg.cache_dir)) if procs > 0 else None
     tasks = _chunks(cfg, index, max_docs, chunk_docs)
     results = _bounded_imap(pool, tasks, 4 * procs) if pool else (_tokenize(tokenizer, t) for t in tasks)
     empty, position = 0, {"docs_read": index["docs_read"], "resume": index["resume"]}

@@ -6,12 +6,16 @@ EOS between documents itself, so every tokenizer here encodes plain text only.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Sequence
 
 import numpy as np
 
+from sonic.data import local_bpe
+
 BYTE = "byte"
+DEFAULT_CACHE_DIR = "~/.cache/sonic"  # DataConfig.cache_dir's default: where local_bpe tokenizers are built
 
 
 class ByteTokenizer:
@@ -77,14 +81,22 @@ class HFTokenizer:
         return self.hf.save_pretrained(directory)
 
 
-def load_tokenizer(name: str) -> ByteTokenizer | HFTokenizer:
-    """`byte`, a local tokenizer directory, or a Hub name (from the HF cache first, then the network)."""
+def load_tokenizer(name: str, cache_dir: str = DEFAULT_CACHE_DIR) -> ByteTokenizer | HFTokenizer:
+    """`byte`, `local_bpe:<V>` (trained here on first use, cached in cache_dir), a local tokenizer directory,
+    or a Hub name (from the HF cache first, then the network)."""
     if name == BYTE:
         return ByteTokenizer()
+    vocab_size = local_bpe.parse(name)
+    if vocab_size is not None:
+        from transformers import AutoTokenizer
+
+        directory, _ = local_bpe.ensure_local_bpe(vocab_size, cache_dir)
+        return HFTokenizer(name, AutoTokenizer.from_pretrained(str(directory), local_files_only=True))
     from huggingface_hub import constants
     from transformers import AutoTokenizer
 
-    fix = "use tokenizer: byte (needs no files) or a local tokenizer directory"
+    fix = ("use tokenizer: byte (needs no files), local_bpe:<vocab size> (trained offline) or a local tokenizer "
+           "directory")
     path = os.path.expanduser(name)
     try:
         hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -108,7 +120,15 @@ def _first_line(error: BaseException) -> str:
 
 def build_tokenizer(cfg) -> ByteTokenizer | HFTokenizer:
     """The tokenizer named by `cfg.tokenizer` (a DataConfig)."""
-    return load_tokenizer(cfg.tokenizer)
+    return load_tokenizer(cfg.tokenizer, cfg.cache_dir)
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """Identity of a tokenizer's vocabulary and rules (keys caches of its token ids)."""
+    backend = getattr(getattr(tokenizer, "hf", None), "backend_tokenizer", None)
+    if backend is not None:  # a fast tokenizer: its whole definition
+        return hashlib.sha256(backend.to_str().encode()).hexdigest()
+    return f"{tokenizer.name}:{tokenizer.vocab_size}:{tokenizer.eos_token_id}"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

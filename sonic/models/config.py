@@ -3,9 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sonic.models.attention import ATTENTION_BACKENDS
+from sonic.models.loss import LOSS_BACKENDS
 from sonic.routing.config import RoutingConfig
 
 QK_NORMS = ("none", "full", "head")  # full: OLMoE, over all heads at once; head: Qwen3, per head
+ATTN_OUT_INITS = ("zero", "scaled")  # attention o_proj at init: zero, or GPT-2's init_std / sqrt(2L)
 
 
 @dataclass
@@ -44,6 +47,9 @@ class ModelConfig:
     first_k_dense: int = 0  # the first k layers use a dense SwiGLU FFN instead of MoE
     dense_dim: int = 0  # FFN width of those dense layers
     init_std: float = 0.02
+    attn_out_init: str = "zero"  # zero keeps deep routers healthy at init (Transformer.init_weights) | scaled
+    attention_backend: str = "auto"  # auto | sdpa | flex (sonic/models/attention.py)
+    loss_backend: str = "chunked"  # torch | chunked | liger | cce: LM head + cross-entropy (sonic/models/loss.py)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self):
@@ -64,6 +70,13 @@ class ModelConfig:
             raise ValueError(f"model.first_k_dense={self.first_k_dense} must be in [0, num_layers={self.num_layers}]")
         if self.first_k_dense and self.dense_dim < 1:
             raise ValueError(f"model.first_k_dense={self.first_k_dense} needs model.dense_dim >= 1")
+        if self.attn_out_init not in ATTN_OUT_INITS:
+            raise ValueError(f"model.attn_out_init={self.attn_out_init!r} is not one of {', '.join(ATTN_OUT_INITS)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"model.attention_backend={self.attention_backend!r} is not one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.loss_backend not in LOSS_BACKENDS:
+            raise ValueError(f"model.loss_backend={self.loss_backend!r} is not one of {', '.join(LOSS_BACKENDS)}")
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ValueError("model.rope_theta, model.norm_eps and model.init_std must be > 0")
 

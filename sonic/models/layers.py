@@ -9,6 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sonic.models.attention import AttentionCore
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype autocast would compute in for `x`: the inputs of our autograd Functions (expert
+    kernels, loss backends) are cast to it by hand, since autocast does not reach inside them."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -56,9 +65,11 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: str, eps: float):
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: str, eps: float,
+                 core: AttentionCore):
         super().__init__()
         self.H, self.G, self.Hd = num_heads, num_kv_heads, head_dim
+        self.core = core  # shared by all layers; see sonic/models/attention.py
         self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
@@ -69,7 +80,8 @@ class Attention(nn.Module):
         elif qk_norm == "head":
             self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
 
-    def forward(self, x_BSD: Tensor, rotary: Rotary, mask_BSS: Tensor | None) -> Tensor:
+    def forward(self, x_BSD: Tensor, rotary: Rotary, mask) -> Tensor:
+        """mask: what `core.mask` built for this batch (None, a dense mask or a BlockMask)."""
         B, S, _ = x_BSD.shape
         q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
         if self.qk_norm == "full":
@@ -80,11 +92,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q.transpose(1, 2)), rotary(k.transpose(1, 2))
         v = v.view(B, S, self.G, self.Hd).transpose(1, 2)
-        if mask_BSS is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.G != self.H)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BSS[:, None],
-                                               enable_gqa=self.G != self.H)
+        o = self.core(q, k, v, mask)
         return self.o_proj(o.transpose(1, 2).reshape(B, S, self.H * self.Hd))
 
 
@@ -99,10 +107,3 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def document_causal_mask(doc_ids_BS: Tensor) -> Tensor:
-    """Causal mask that also blocks attention across packed documents (True = attend)."""
-    S = doc_ids_BS.shape[1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=doc_ids_BS.device).tril()
-    return causal & (doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :])

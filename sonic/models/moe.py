@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from sonic.kernels import ExpertsFn, get_experts_fn
 from sonic.models.config import MoEConfig
-from sonic.models.layers import SwiGLUMLP
+from sonic.models.layers import SwiGLUMLP, compute_dtype
 from sonic.routing import Router, RouterOutput
 
 
@@ -34,14 +34,15 @@ class MoE(nn.Module):
         return self._experts_fns[device]
 
     def forward(self, x_BSD: Tensor) -> tuple[Tensor, RouterOutput]:
-        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        routed = self.router(x_TD)
-        # Under autocast the kernels run in the autocast dtype; a custom autograd
-        # Function is not autocast by itself, so cast its inputs here.
-        dt = torch.get_autocast_dtype(x_TD.device.type) if torch.is_autocast_enabled(x_TD.device.type) else x_TD.dtype
+        # Under autocast the kernels run in the autocast dtype; a custom autograd Function is not
+        # autocast by itself, so cast here, once: router, experts and shared expert then read (and
+        # save for backward) the same tensor.
+        dt = compute_dtype(x_BSD)
         cast = lambda t: None if t is None else t.to(dt)  # noqa: E731
-        out_TD = self.experts_fn(x_TD.device)(cast(x_TD), cast(self.w1_EFD), cast(self.w2_EDN), routed.plan,
+        x_TD = cast(x_BSD.reshape(-1, x_BSD.shape[-1]))
+        routed = self.router(x_TD)
+        out_TD = self.experts_fn(x_TD.device)(x_TD, cast(self.w1_EFD), cast(self.w2_EDN), routed.plan,
                                               cast(self.b1_EF), cast(self.b2_ED))
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
-        return out_TD.view_as(x_BSD), routed
+        return out_TD.view(x_BSD.shape), routed

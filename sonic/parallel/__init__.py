@@ -1,8 +1,9 @@
-"""Scale-out: process groups, FSDP-2, activation checkpointing, torch.compile, preemption."""
+"""Scale-out: process groups, FSDP-2, meta-device init, activation checkpointing, torch.compile, preemption."""
 from sonic.parallel.config import ParallelConfig
 from sonic.parallel.distributed import DistInfo, all_reduce_, init_distributed
+from sonic.parallel.init import build_model, load_full_state_dict, memory_after_init
 from sonic.parallel.parallelize import parallelize, set_gradient_sync
 from sonic.parallel.preemption import PreemptionGuard
 
-__all__ = ["DistInfo", "ParallelConfig", "PreemptionGuard", "all_reduce_", "init_distributed", "parallelize",
-           "set_gradient_sync"]
+__all__ = ["DistInfo", "ParallelConfig", "PreemptionGuard", "all_reduce_", "build_model", "init_distributed",
+           "load_full_state_dict", "memory_after_init", "parallelize", "set_gradient_sync"]

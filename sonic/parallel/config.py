@@ -16,7 +16,7 @@ class ParallelConfig:
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype
     activation_checkpoint: str = "none"  # none | full (every block) | selective (every `ac_every`-th block)
     ac_every: int = 2
-    compile: bool = False  # torch.compile each transformer block
+    compile: bool | None = None  # torch.compile each transformer block; None: on when training on a GPU
     compile_backend: str = "inductor"  # inductor (fast kernels) | aot_eager (checks graph capture, compiles in seconds)
     backend: str = "auto"  # process-group backend: auto (nccl on GPU, gloo on CPU) | nccl | gloo
 

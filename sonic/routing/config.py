@@ -6,6 +6,7 @@ from dataclasses import dataclass
 METHODS = ("topk", "token_rounding", "expert_choice")
 ORDERS = ("topk_softmax", "softmax_topk")
 ROUNDING_MODES = ("nearest", "stochastic", "nearest_score", "balance", "up", "down")
+AUX_SCOPES = ("global", "local")
 
 
 @dataclass
@@ -17,12 +18,14 @@ class RoutingConfig:
     tile_size: int = 128  # token_rounding: M_tile, the GEMM tile the expert counts are rounded to
     capacity_factor: float = 1.0  # expert_choice: each expert takes capacity_factor * T*K/E tokens
     aux_loss_coef: float = 0.01  # Switch load-balancing loss
+    aux_loss_scope: str = "global"  # global: expert fractions over all data-parallel ranks' tokens | local: this rank's
     z_loss_coef: float = 0.0  # router z-loss
     bias_update_rate: float = 0.0  # aux-loss-free expert bias (DeepSeek-V3); 0 disables it
 
     def __post_init__(self):
         for field, value, allowed in (("method", self.method, METHODS), ("order", self.order, ORDERS),
-                                      ("rounding_mode", self.rounding_mode, ROUNDING_MODES)):
+                                      ("rounding_mode", self.rounding_mode, ROUNDING_MODES),
+                                      ("aux_loss_scope", self.aux_loss_scope, AUX_SCOPES)):
             if value not in allowed:
                 raise ValueError(f"routing.{field}={value!r} is not one of {', '.join(allowed)}")
         if not isinstance(self.renormalize, bool):

@@ -8,15 +8,16 @@ import torch
 from torch import Tensor
 
 
-def switch_aux_loss(probs_TE: Tensor, topk_counts_E: Tensor, top_k: int) -> Tensor:
+def switch_aux_loss(probs_TE: Tensor, picks_E: Tensor) -> Tensor:
     """E * sum_e f_e * P_e (Switch Transformer): 1 under uniform routing, E when all goes to one expert.
 
-    f_e = the fraction of the T*K top-K picks that went to e (no gradient), P_e = the mean
-    full-softmax probability of e (the gradient path). f comes from the token-choice top-K
-    selection under every method, so token rounding does not change the loss.
+    f_e = the fraction of the top-K picks that went to e (no gradient; the caller may count them
+    over the whole data-parallel batch), P_e = this batch's mean full-softmax probability of e
+    (the gradient path). f comes from the token-choice top-K selection under every method, so
+    token rounding does not change the loss.
     """
-    T, E = probs_TE.shape
-    frac_E = topk_counts_E.to(probs_TE.dtype) / max(T * top_k, 1)
+    E = probs_TE.shape[1]
+    frac_E = picks_E.to(probs_TE.dtype) / picks_E.sum().clamp_min(1)
     return E * (frac_E * probs_TE.mean(0)).sum()
 
 

@@ -99,7 +99,9 @@ def build_plan(token_idx: Tensor, expert_idx: Tensor, scores: Tensor, num_tokens
     return RoutingPlan(
         token_idx_R=token_idx_R,
         expert_idx_R=expert_idx_R,
-        scores_R=scores[order],
+        # index_select, not scores[order]: its backward is an index_add (order is a permutation, so
+        # no two rows collide), where advanced indexing's backward sorts: 1.2 ms per layer at T*K=131k
+        scores_R=scores.index_select(0, order),
         expert_offsets_E1=_offsets(expert_idx_R, num_experts),
         token_offsets_T1=_offsets(token_idx_R[rows_by_token_R.long()], num_tokens),
         rows_by_token_R=rows_by_token_R,

@@ -2,7 +2,11 @@
 
 Legend: T tokens, D hidden, E experts, K top-k.
 
-Router math runs in fp32 (fp64 for fp64 inputs), outside autocast. Methods:
+The router GEMM runs in the compute dtype (bf16 under autocast) on the same X the experts read,
+so it keeps no fp32 copy of X for backward; softmax, top-K and the losses run in fp32 (fp64 for
+fp64 inputs). With routing.aux_loss_scope=global (the default) the load-balancing loss counts the
+picks of the whole data-parallel batch, over `stats_group` (sonic/parallel sets it), as Megatron's
+global-batch aux loss does: one rank's few thousand tokens are a noisy load estimate. Methods:
   topk            token choice (sonic/routing/token_choice.py)
   token_rounding  token choice with tile-rounded expert counts in training mode; plain
                   top-K in eval mode (sonic/routing/token_rounding.py)
@@ -53,6 +57,13 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _sum_over(t: Tensor, group) -> Tensor:
+    # functional collective: traceable by torch.compile, and no host sync
+    from torch.distributed._functional_collectives import all_reduce
+
+    return all_reduce(t, "sum", group)
+
+
 class Router(nn.Module):
     def __init__(self, dim: int, num_experts: int, top_k: int, cfg: RoutingConfig):
         super().__init__()
@@ -64,12 +75,13 @@ class Router(nn.Module):
         self.register_buffer("expert_bias_E", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("balance_residual_E", torch.zeros(num_experts, dtype=torch.int64))
         self.register_buffer("balance_pending_E", torch.zeros(num_experts, dtype=torch.int64))
+        self.stats_group = None  # process group whose picks the aux loss counts (None: this process)
 
     def forward(self, x_TD: Tensor) -> RouterOutput:
-        dt = torch.promote_types(x_TD.dtype, torch.float32)
+        """x_TD in the compute dtype (the MoE block casts it once for the router and the experts)."""
         with torch.autocast(x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.to(dt), self.weight_ED.to(dt))
-        return self.route(logits_TE)
+            logits_TE = F.linear(x_TD, self.weight_ED.to(x_TD.dtype))
+        return self.route(logits_TE.to(torch.promote_types(x_TD.dtype, torch.float32)))
 
     def route(self, logits_TE: Tensor) -> RouterOutput:
         """Everything after the linear layer: selection, gates, plan, losses."""
@@ -87,7 +99,9 @@ class Router(nn.Module):
             plan = self._token_rounding(probs_TE, topk.expert_idx_TK, topk.gates_TK)
         else:
             plan = plan_from_topk(topk.expert_idx_TK, topk.gates_TK, E)
-        aux = switch_aux_loss(probs_TE, topk_counts_E, K)
+        global_picks = cfg.aux_loss_scope == "global" and self.stats_group is not None
+        picks_E = _sum_over(topk_counts_E, self.stats_group) if global_picks else topk_counts_E
+        aux = switch_aux_loss(probs_TE, picks_E)
         z = z_loss(logits_TE)
         loss = cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
         return RouterOutput(plan, loss, aux.detach(), z.detach(), plan.counts_E(), topk_counts_E)

@@ -54,4 +54,5 @@ def expert_load(counts_LE: Tensor) -> dict[str, float]:
         out[f"expert_load_min/{layer}"] = row.min().item()
         out[f"expert_load_max/{layer}"] = row.max().item()
         out[f"expert_load_cv/{layer}"] = (row.std(unbiased=False)).item()
+    out["expert_load_max_worst"] = rel.max().item()  # the most loaded expert of the worst layer (E/K = collapsed)
     return out

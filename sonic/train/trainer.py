@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import random
 import time
 from dataclasses import asdict
@@ -13,7 +12,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -21,9 +19,11 @@ from sonic.data import build_loaders, build_tokenizer
 from sonic.kernels import resolve_backend
 from sonic.models import Transformer, flops_per_token, param_counts
 from sonic.models.loading import load_model
-from sonic.parallel import PreemptionGuard, all_reduce_, init_distributed, parallelize, set_gradient_sync
-from sonic.train.checkpoint import Checkpointer
+from sonic.parallel import (PreemptionGuard, all_reduce_, build_model, init_distributed, load_full_state_dict,
+                            memory_after_init, set_gradient_sync)
+from sonic.train.checkpoint import Checkpointer, check_run_dir
 from sonic.train.config import Config, to_yaml
+from sonic.train.guard import NonFiniteGuard
 from sonic.train.loggers import MetricLogger
 from sonic.train.metrics import expert_load, peak_flops, speed_metrics
 from sonic.train.optim import build_optimizer, build_scheduler
@@ -35,10 +35,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def lm_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=-100)
 
 
 def autocast_context(cfg: Config, device: torch.device):
@@ -57,12 +53,11 @@ def evaluate(model, val_loader, cfg: Config, device: torch.device) -> float:
     for i, batch in enumerate(val_loader):
         if i == cfg.train.eval_batches:
             break
-        with autocast_context(cfg, device):
-            out = model(batch["input_ids"].to(device), _doc_ids(batch, cfg, device))
         labels = batch["labels"].to(device)
-        loss_sum = F.cross_entropy(out.logits_BSV.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                                   reduction="sum")
-        total += torch.stack([loss_sum, (labels != -100).sum().float()])
+        with autocast_context(cfg, device):
+            out = model(batch["input_ids"].to(device), _doc_ids(batch, cfg, device), labels)
+        count = (labels != -100).sum().float()
+        total += torch.stack([out.loss.float() * count, count])
     model.train()
     all_reduce_(total)
     return (total[0] / total[1].clamp_min(1)).item()
@@ -82,6 +77,7 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
     info = init_distributed(cfg.parallel, t.device)
     device = info.device
     run_dir = Path(t.run_dir)
+    check_run_dir(run_dir)  # a clear error now rather than at the first save
     seed_everything(t.seed + info.rank)  # per-rank streams (e.g. stochastic rounding)
 
     # --- model, optimizer, data -------------------------------------------------------
@@ -91,14 +87,15 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
                          f"{cfg.model.vocab_size}; raise model.vocab_size or pick another data.tokenizer")
     ckpt = Checkpointer(run_dir / "checkpoints", keep_last=t.keep_last)
     resume_from = ckpt.find(t.resume)
-    model = Transformer(cfg.model).to(device)
-    model.init_weights(seed=t.seed)  # same weights on every rank, before sharding
+    # Built on meta, sharded, then each rank initialises only its shards: no rank holds the full model.
+    model = build_model(cfg.model, cfg.parallel, info, seed=t.seed)
     if t.init_from and resume_from is None:
         load_weights(model, t.init_from)
+    init_memory = memory_after_init(model, info)  # logged with the first step
     counts = param_counts(cfg.model)
-    model = parallelize(model, cfg.parallel, info)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
+    guard = NonFiniteGuard(optimizer, t.nonfinite, t.max_consecutive_skips, device, verbose=info.is_main)
     train_loader, val_loader = build_loaders(cfg.data, tokenizer=tokenizer, seq_len=t.seq_len,
                                              micro_batch_size=t.micro_batch_size, rank=info.rank,
                                              world_size=info.world_size, seed=t.seed)
@@ -110,11 +107,15 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
         scheduler.load_state_dict(extra["scheduler"])
         if "loader" in extra:
             train_loader.load_state_dict(extra["loader"])
+        if "guard" in extra:
+            guard.load_state_dict(extra["guard"])
         step = extra["step"]
         log.info("resumed from %s at step %d (train.resume=none starts afresh)", resume_from, step)
 
     def save(step: int) -> None:
-        extra = {"scheduler": scheduler.state_dict(), "loader": train_loader.state_dict()}
+        guard.check()  # a run past train.max_consecutive_skips stops here instead of saving
+        extra = {"scheduler": scheduler.state_dict(), "loader": train_loader.state_dict(),
+                 "guard": guard.state_dict()}
         path = ckpt.save(step, model, optimizer, extra, to_yaml(cfg))
         if info.is_main:
             log.info("saved %s", path)
@@ -148,8 +149,8 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
                 batch = next(train_loader)
                 set_gradient_sync(model, micro == t.grad_accum - 1)  # one reduce-scatter per step
                 with autocast_context(cfg, device):
-                    out = model(batch["input_ids"].to(device), _doc_ids(batch, cfg, device))
-                loss = lm_loss(out.logits_BSV, batch["labels"].to(device))
+                    out = model(batch["input_ids"].to(device), _doc_ids(batch, cfg, device), batch["labels"].to(device))
+                loss = out.loss  # the LM head + cross-entropy backend's mean over labelled tokens
                 ((loss + out.router_loss) / t.grad_accum).backward()
                 if out.routed:
                     aux = torch.stack([r.aux_loss for r in out.routed]).mean()
@@ -164,8 +165,8 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
-            optimizer.step()
-            scheduler.step()
+            guard.step(grad_norm, step + 1)  # optimizer.step(), unless the norm is non-finite (train.nonfinite)
+            scheduler.step()  # also after a skipped step: the schedule follows the step counter
             optimizer.zero_grad(set_to_none=True)
             step += 1
             bar.update(1)
@@ -188,14 +189,14 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
                     metrics.update(expert_load(load_LE))
                     # < 1: token rounding / capacity dropped rows; > 1: padded (what the TR arms differ in)
                     metrics["routed_rows_ratio"] = (load_LE.sum() / all_reduce_(topk_rows).clamp_min(1)).item()
-                if not math.isfinite(metrics["loss"]):
-                    raise FloatingPointError(f"loss is {metrics['loss']} at step {step}; lower optim.lr or "
-                                             f"check the data")
+                metrics["skipped_steps"] = guard.check()  # non-finite steps so far; raises per train.nonfinite
                 if is_eval:
                     metrics["val_loss"] = evaluate(model, val_loader, cfg, device)
                 if is_lm_eval:
                     results = lm_eval(model, tokenizer, t.lm_eval_tasks, t.lm_eval_limit, precision=t.precision)
                     metrics.update({f"lm_eval/{k}": v for k, v in results.items()})
+                if not history:
+                    metrics.update(init_memory)
                 logger.log(step, metrics)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
                 history.append({"step": step, **metrics})
@@ -224,15 +225,16 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
 
 
 def load_weights(model: Transformer, path: str) -> None:
-    """Copy the weights of a Sonic checkpoint, model file or HF directory into `model`."""
+    """Copy the weights of a Sonic checkpoint, model file or HF directory into `model` (sharded
+    or not): each rank reads them whole into host memory and keeps its own shards."""
     source = load_model(path).model.state_dict()
-    target = model.state_dict()
+    target = model.state_dict()  # under FSDP: DTensors of the full shapes
     mismatched = [k for k in target if k not in source or source[k].shape != target[k].shape]
     if mismatched or set(source) - set(target):
         raise ValueError(f"train.init_from={path!r} does not match model={model.cfg.name} (first differing "
                          f"weights: {(mismatched or sorted(set(source) - set(target)))[:3]}); pick the model "
                          f"preset the weights were trained with")
-    model.load_state_dict(source)
+    load_full_state_dict(model, source)
 
 
 def _update_expert_bias(model, load_LE: torch.Tensor) -> None:

@@ -5,12 +5,13 @@ so each token id names one (document, position): coverage and disjointness becom
 """
 from __future__ import annotations
 
+import gzip
 import json
 
 import numpy as np
 import pytest
 
-from sonic.data import DataConfig, build_tokenizer
+from sonic.data import DataConfig, build_tokenizer, local_text
 
 EOS = "<eos>"
 
@@ -62,3 +63,38 @@ def take(loader, n: int) -> list[dict]:
 def same_batches(a: list[dict], b: list[dict]) -> bool:
     return len(a) == len(b) and all(all((x[k] == y[k]).all() for k in ("input_ids", "labels", "doc_ids"))
                                     for x, y in zip(a, b))
+
+
+PROSE = ("The router sends each token to its top experts. Experts are small feed-forward networks, and a "
+         "balanced load keeps every one of them busy.\n")
+CODE = "def f(x):\n    return x + {i}\n"
+
+
+def write_sources(root, n_code=12, n_prose=6):
+    """(code files, prose files): distinct small Python files and English docs, plus a data table,
+    a duplicate and a non-UTF-8 file that the corpus leaves out."""
+    root.mkdir(parents=True, exist_ok=True)
+    code = []
+    for i in range(n_code):
+        code.append(root / f"m{i}.py")
+        code[-1].write_text(CODE.format(i=i) * (i + 1))
+    prose = []
+    for i in range(n_prose):
+        prose.append(root / f"doc{i}.md")
+        prose[-1].write_text(f"# Part {i}\n\n" + PROSE * (i + 1))
+    (root / "table.txt").write_text("1.0 2.0 3.0\n" * 50)  # a data table, not prose
+    (root / "copy.md").write_text(prose[0].read_text())  # a duplicate
+    (root / "latin.txt").write_bytes(b"caf\xe9 " * 20)  # not UTF-8
+    with gzip.open(root / "changelog.gz", "wt") as f:
+        f.write("pkg (1.0) unstable; urgency=low\n\n  * Fixed the build on every architecture.\n")
+    prose += [root / "table.txt", root / "copy.md", root / "latin.txt", root / "changelog.gz"]
+    return code, prose
+
+
+@pytest.fixture
+def sources(tmp_path, monkeypatch):
+    """The local installation (local_text's code and prose files) replaced by a few small files."""
+    code, prose = write_sources(tmp_path / "src")
+    monkeypatch.setattr(local_text, "python_sources", lambda: list(code))
+    monkeypatch.setattr(local_text, "prose_sources", lambda: list(prose))
+    return code, prose

@@ -40,6 +40,10 @@ def test_default_is_the_offline_embedded_corpus():
     ({"txt_docs": "sentence"}, "txt_docs"),
     ({"text_column": ""}, "text_column"),
     ({"tokenizer": ""}, "tokenizer"),
+    ({"tokenizer": "local_bpe:12"}, "tokenizer"),
+    ({"source": "local_text", "paths": ["x.jsonl"]}, "paths"),
+    ({"source": "local_text", "streaming": True}, "streaming"),
+    ({"cache_dir": ""}, "cache_dir"),
     ({"val_docs": 0}, "val_docs"),
     ({"num_workers": -1}, "num_workers"),
 ])

@@ -62,7 +62,7 @@ def test_loglikelihood_rolling_scores_every_token_once_within_max_seq_len(model)
     lm = SonicLM(model=model, tokenizer=TOK, batch_size=2)
     short, long = "Nell lives in the pond.", "The town of Cress stands on the river Ure. " * 4  # 172 bytes > 64
     got = lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(short,), (long,)]))
-    assert got[0] == pytest.approx(direct_logprob(model, "", short), abs=1e-4)
+    assert got[0] == pytest.approx(direct_logprob(model, "", short), rel=1e-6, abs=1e-4)  # fp32 sums of ~-30 terms
     # Independent reference: token j is predicted from at most max_seq_len inputs ending right before it,
     # in disjoint windows of max_seq_len predictions (the first window starts with EOS).
     tokens, L = TOK.encode(long), model.cfg.max_seq_len

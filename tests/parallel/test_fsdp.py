@@ -3,21 +3,26 @@ backend, expert sharding without padding, clipping, accumulation and HSDP."""
 from __future__ import annotations
 
 import os
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 from torch.distributed.tensor import Shard
 
 from sonic.kernels import BACKENDS, resolve_backend
 from sonic.models import ModelConfig, MoEConfig, Transformer
-from sonic.parallel import DistInfo, ParallelConfig, init_distributed, parallelize, set_gradient_sync
+from sonic.parallel import (
+    DistInfo,
+    ParallelConfig,
+    init_distributed,
+    parallelize,
+    set_gradient_sync,
+)
 from sonic.parallel.parallelize import expert_shard_dim
+from sonic.routing import RoutingConfig, switch_aux_loss
+from tests.helpers import free_port, spawn_ranks
 
 WORLD, CLIP = 2, 0.05  # CLIP is below the gradient norm, so clipping really scales
 CPU = torch.device("cpu")
@@ -33,9 +38,11 @@ def cpu_backends() -> list[str]:
     return sorted(set(out))
 
 
-def build(backend: str, num_experts: int) -> Transformer:
+def build(backend: str, num_experts: int, aux_loss_scope: str = "local") -> Transformer:
+    """aux_loss_scope local: each rank's loss is the one-process loss of its batch (global is tested apart)."""
     cfg = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=2, max_seq_len=32,
-                      moe=MoEConfig(num_experts=num_experts, top_k=2, expert_dim=16, kernel_backend=backend))
+                      moe=MoEConfig(num_experts=num_experts, top_k=2, expert_dim=16, kernel_backend=backend,
+                                    routing=RoutingConfig(aux_loss_scope=aux_loss_scope)))
     model = Transformer(cfg)
     model.init_weights(seed=0)
     return model
@@ -101,6 +108,14 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         results[f"accumulate sync_every_micro={sync_every_micro}"] = (grads, norm, calls["n"])
     _fsdp_param_group.foreach_reduce = real
 
+    # Global aux loss: f counts both ranks' picks, P stays this rank's.
+    model = parallelize(build("reference", 4, "global"), ParallelConfig(), info)
+    out = model(ids[0])
+    results[f"aux rank{rank}"] = [(r.aux_loss, r.topk_counts_E) for r in out.routed]
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, results[f"aux rank{rank}"])
+    results["aux all"] = gathered
+
     hsdp = DistInfo(rank, WORLD, rank, CPU, init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp_replicate", "dp_shard")))
     model = parallelize(build("reference", 4), ParallelConfig(dp_replicate=2), hsdp)
     results["hsdp"] = (*step(model, ids), model.layers[0].ffn.w1_EFD.placements)
@@ -112,17 +127,8 @@ def _worker(rank: int, port: int, out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path_factory.mktemp("fsdp") / "results.pt"
-    workers = mp.start_processes(_worker, args=(port, str(out)), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 300
-    while not workers.join(timeout=5):  # raises if a worker failed
-        if time.monotonic() > deadline:
-            for proc in workers.processes:
-                proc.kill()
-            pytest.fail("the FSDP worker processes did not finish within 300 s")
+    spawn_ranks(_worker, (free_port(), str(out)), WORLD, 300, "FSDP")
     return torch.load(out, weights_only=False)
 
 
@@ -176,3 +182,18 @@ def test_hsdp_matches_single_process(spawned):
     want_grads, want_norm = reference("reference", 4, 2)
     assert norm == pytest.approx(want_norm, rel=1e-5)
     assert_grads_close(grads, want_grads)
+
+
+def test_global_aux_loss_counts_every_ranks_picks(spawned):
+    """rank 0's aux = E * sum_e f_e P_e, f from both ranks' top-K picks, P from rank 0's own tokens."""
+    model = build("reference", 4)
+    inputs = []
+    for block in model.layers:
+        block.ffn.router.register_forward_pre_hook(lambda mod, args: inputs.append((mod, args[0])))
+    model(batches()[0][0])
+    ranks = spawned["aux all"]
+    for layer, (router, x_TD) in enumerate(inputs):
+        picks_E = ranks[0][layer][1] + ranks[1][layer][1]
+        assert not torch.equal(picks_E, 2 * ranks[0][layer][1])  # the ranks' loads differ, so the test can fail
+        probs_TE = torch.softmax(router.weight_ED.detach() @ x_TD.detach().T, 0).T
+        torch.testing.assert_close(ranks[0][layer][0], switch_aux_loss(probs_TE, picks_E), rtol=1e-5, atol=1e-6)

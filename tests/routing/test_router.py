@@ -230,3 +230,26 @@ def test_token_rounding_survives_checkpoint_recompute(mode):
             assert torch.equal(getattr(routers[0], name), getattr(routers[1], name)), (step, name)
     if mode == "balance":
         assert routers[0].balance_pending_E.abs().sum() > 0
+
+
+def test_moe_block_under_autocast_saves_no_fp32_copy_of_x():
+    """The router GEMM reads the same bf16 X as the experts: nothing of shape (T, D) is saved in fp32,
+    and the bf16 X is saved once (one storage), whatever the router, experts and shared expert keep."""
+    from sonic.models.config import MoEConfig
+    from sonic.models.moe import MoE
+
+    T, D = 64, 32
+    block = MoE(D, MoEConfig(num_experts=4, top_k=2, expert_dim=16, shared_expert_dim=24, kernel_backend="reference"))
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, T // 2, D, requires_grad=True)  # an fp32 residual stream, as in single-GPU runs
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, routed = block(x)
+    x_like = [t for t in saved if t.shape == (T, D)]
+    assert x_like and all(t.dtype == torch.bfloat16 for t in x_like)
+    assert len({t.untyped_storage().data_ptr() for t in x_like}) == 1
+    assert routed.plan.scores_R.dtype == torch.float32
+    (out.float().square().mean() + routed.loss).backward()
+    assert block.router.weight_ED.grad is not None and block.router.weight_ED.grad.abs().sum() > 0

@@ -186,24 +186,19 @@ def test_e2e_payload_reads_each_runs_metrics(tmp_path):
     assert (runs[0]["name"], runs[0]["layers"], runs[0]["device"]) == ("cute_4L", 4, "H100")
 
 
-def test_code_corpus_is_fixed_by_its_seed_and_capped(tmp_path, monkeypatch):
-    files = []
-    for i in range(20):
-        f = tmp_path / "src" / f"m{i}.py"
-        f.parent.mkdir(exist_ok=True)
-        f.write_text(f"x = {i}\n" * (i + 1))
-        files.append(f)
-    (tmp_path / "src" / "latin.py").write_bytes(b"s = '\xe9'\n")  # not UTF-8: skipped
-    monkeypatch.setattr(tr_quality, "python_sources", lambda: sorted((tmp_path / "src").glob("*.py")))
-    a = tr_quality.build_code_corpus(tmp_path / "a.jsonl", max_bytes=100)
-    b = tr_quality.build_code_corpus(tmp_path / "b.jsonl", max_bytes=100)
-    c = tr_quality.build_code_corpus(tmp_path / "c.jsonl", max_bytes=100, seed=1)
-    assert a["sha256"] == b["sha256"] != c["sha256"]
-    docs = [json.loads(line)["text"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
-    assert len(docs) == a["documents"] and 100 <= a["bytes"] < 100 + max(map(len, docs))  # stops past the cap
-    assert set(docs) <= {f.read_text() for f in files}
-    everything = tr_quality.build_code_corpus(tmp_path / "all.jsonl", max_bytes=10**9)
-    assert everything["documents"] == 20 and everything["files_available"] == 21
+def test_e2e_records_carry_speed_and_every_layers_load(tmp_path):
+    rows = [{"step": s, "loss": 10.0 - s / 10, "tokens_per_s_per_gpu": v, "tokens_per_s": 2 * v,
+             "btokens_per_day": 2 * v * 86400 / 1e9, "mfu": 0.3, "mem_peak_gib": 80.0,
+             **{f"expert_load_max/{i}": 1.5 + i + s for i in range(3)}} for s, v in ((5, 10.0), (10, 40e3), (15, 50e3))]
+    run_dir = tmp_path / "triton_3L"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = "torchrun --nproc-per-node 2 train.py model.num_layers=3 model.moe.kernel_backend=triton"
+    (rec,) = e2e_throughput.e2e_records({run_dir: cmd}, 2, "H200", skip=5, commit="abc123")
+    assert rec["backend"] == "triton" and rec["layers"] == 3 and rec["num_gpus"] == 2 and rec["gpu"] == "H200"
+    assert rec["tokens_per_s_per_gpu"] == 45e3 and rec["btokens_per_gpu_day"] == pytest.approx(45e3 * 86400 / 1e9)
+    assert rec["max_load_over_mean"] == [16.5, 17.5, 18.5]  # the last logged step, one value per layer
+    assert rec["steps"] == 15 and rec["commit"] == "abc123" and rec["mfu"] == 0.3 and rec["peak_mem_gib"] == 80.0
 
 
 @pytest.mark.slow

@@ -77,13 +77,26 @@ def test_resume_auto_ignores_incomplete_checkpoints(tmp_path):
     assert "step_00000002 at step 2" in proc.stderr + proc.stdout
 
 
-def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
-    run_train("train.steps=1", "train.eval_every=0", f"train.run_dir={tmp_path}")
-    for f in (tmp_path / "checkpoints" / "step_00000001").glob("*.distcp"):
-        f.write_bytes(b"garbage")
-    proc = run_train("train.steps=2", f"train.run_dir={tmp_path}", check=False)
+def test_corrupt_checkpoint_is_set_aside_under_auto_and_a_clear_error_as_a_path(tmp_path):
+    run_train("train.steps=2", "train.save_every=1", "train.eval_every=0", f"train.run_dir={tmp_path}")
+    newest = tmp_path / "checkpoints" / "step_00000002"
+    for f in newest.glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # the measurement
+    explicit = run_train("train.steps=3", f"train.run_dir={tmp_path}", f"train.resume={newest}", check=False)
+    assert explicit.returncode != 0
+    assert "is corrupt" in explicit.stderr and "distcp" in explicit.stderr and "train.resume" in explicit.stderr
+    auto = run_train("train.steps=3", "train.eval_every=0", f"train.run_dir={tmp_path}")  # a requeued job
+    out = auto.stderr + auto.stdout
+    assert "step_00000002 is corrupt" in out and "set aside as step_00000002.corrupt" in out
+    assert "step_00000001 at step 1" in out
+
+
+def test_unwritable_run_dir_is_one_clear_message(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    proc = run_train(f"train.run_dir={tmp_path / 'a_file' / 'run'}", check=False)
     assert proc.returncode != 0
-    assert "corrupt" in proc.stderr and "train.resume=none" in proc.stderr
+    assert "train.run_dir=" in proc.stderr and "set train.run_dir to a writable directory" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("override, message", [

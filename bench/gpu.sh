@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The one device-call script: every GPU run behind bench/results/ and docs/repro/ is a stage here.
+#   bash bench/gpu.sh STAGE [STAGE ...]          (from the repo root on the GPU machine)
+#
+# Stages (each writes its log, and its JSON where it has one, under $OUT):
+#   tests      every GPU test (pytest $TESTS -m gpu; TESTS defaults to tests)
+#   levers     per-lever step throughput, sonic_7b cut to $LAYERS layers (python -m bench.levers)
+#   e2e        the 40-layer sonic_7b with the real trainer on the local BPE data, on every visible GPU
+#              (python -m scripts.repro.e2e_throughput --run); $E2E_ARGS adds options
+#   kernels    Table 9b: all twelve layer configs x cute, triton, grouped_mm
+#   sparse     Fig. 16: the four sparse panels x cute, triton
+#   tr SEEDS   Table 3a reduced run: three arms of the 0.5B 8/64 model per seed
+#   cute       the CuTe self-check (hang-guarded), then its layer benchmark ($SHAPES)
+#   first_step $FIRST_STEP_MODEL (default qwen3_30b_a3b, $FIRST_STEP_LAYERS layers) to its first training
+#              step with meta-device init on every visible GPU (python -m scripts.first_step)
+#   kill_resume SIGKILL, corrupt-checkpoint and SIGUSR1 resumes of a 2-GPU job vs an uninterrupted one
+#
+# What the GPU image lacks travels in ignored folders named in the call's `carry`:
+#   .whl   wheels: hydra-core, omegaconf, antlr4-python3-runtime (needed), liger-kernel and
+#          cut-cross-entropy (optional loss backends); installed into /tmp/site by every call
+#   .gpu   the CuTe DSL + official sonic-moe bundle (../shared/gpu/bundle.sh, two calls), for cute
+#          and for the official baseline; found at /root/gpu once unpacked
+set -uo pipefail
+export PYTHONUNBUFFERED=1 SONIC_CUTE_CACHE_DIR=/root/.cache/sonic/cute
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast here
+OUT="${OUT:-/tmp/sonic-out}"; mkdir -p "$OUT"
+if [ -d .whl ] && ! python3 -c "import hydra" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+SITE="/tmp/site"
+[ -d /root/gpu/site-packages ] && SITE="$SITE:/root/gpu/site-packages:/root/gpu/site-packages/nvidia_cutlass_dsl/dsl_packages"
+export PYTHONPATH=".:$SITE:${PYTHONPATH:-}"
+nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee -a "$OUT/gpu.txt"
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/steps.log"; }
+
+run_stage() {
+  case "$1" in
+    tests)
+      timeout "${TESTS_S:-400}" python3 -m pytest ${TESTS:-tests} -m gpu -q -rfE -p no:cacheprovider 2>&1 | tail -60 \
+        | tee "$OUT/gpu_tests.log" ;;
+    levers)
+      timeout "${LEVERS_S:-540}" python3 -m bench.levers --layers "${LAYERS:-8}" ${LEVERS_ARGS:-} 2>&1 \
+        | grep -v Warning | tee "$OUT/levers.log" | tail -40 ;;
+    e2e)
+      timeout "${E2E_S:-560}" python3 -m scripts.repro.e2e_throughput --run ${E2E_ARGS:-} 2>&1 \
+        | grep -v "INFO\] - step" | tee "$OUT/e2e.log" | tail -60 ;;
+    kernels)
+      timeout 540 python3 -m scripts.repro.kernel_throughput --run --backends cute,triton,grouped_mm -- --no-official \
+        2>&1 | tail -80 | tee "$OUT/kernels.log" ;;
+    sparse)
+      timeout 330 python3 -m scripts.repro.sparse_tr --run --sweep-backends cute,triton 2>&1 | tail -60 \
+        | tee "$OUT/sparse.log" ;;
+    tr)
+      timeout 560 python3 -m scripts.repro.tr_quality --reduced --seeds "${SEEDS:-0}" --arm-timeout 180 2>&1 \
+        | grep -v "INFO\] - step" | tail -60 | tee "$OUT/tr_reduced.log" ;;
+    cute)
+      timeout 240 python3 -m sonic.kernels.cute.selfcheck --hang-s 20 --shape 300,384,192,8,2 \
+        --shape 517,512,256,6,3 --shape 8192,512,128,64,4 --routing uniform --routing skewed --routing empty \
+        2>&1 | tee "$OUT/selfcheck.log" | grep -v "^ok"
+      for shape in ${SHAPES:-7b}; do
+        timeout 240 python3 bench/cute_gemm.py --shape "$shape" --layer --out "$OUT/cute-$shape.json" 2>&1 \
+          | tee "$OUT/bench-$shape.log" | tail -25
+      done ;;
+    first_step)
+      timeout "${FIRST_STEP_S:-300}" python3 -m torch.distributed.run --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+        -m scripts.first_step --json "$OUT/first_step.json" model="${FIRST_STEP_MODEL:-qwen3_30b_a3b}" \
+        model.num_layers="${FIRST_STEP_LAYERS:-12}" train.seq_len=4096 train.micro_batch_size=2 2>&1 \
+        | grep -v Warning | tee "$OUT/first_step.log" | tail -25 ;;
+    kill_resume)  # eager: this is about exact resumption, not speed; --repeat measures kernel nondeterminism
+      timeout "${KILL_RESUME_S:-300}" python3 scripts/kill_resume.py --device cuda --repeat --out "$OUT/kill_resume.json" -- \
+        parallel.compile=false 2>&1 | tee "$OUT/kill_resume.log" | tail -25 ;;
+    *) echo "unknown stage $1 (tests | levers | e2e | kernels | sparse | tr | cute | first_step | kill_resume)" >&2
+       return 2 ;;
+  esac
+}
+
+for stage in "${@:?name at least one stage}"; do
+  log "stage $stage"
+  run_stage "$stage"
+  log "stage $stage rc=$?"
+done

@@ -1,0 +1,129 @@
+"""LM head + cross-entropy: loss = mean over labelled tokens of CE(h_TD @ w_VD^T, labels_T).
+
+One function per backend, chosen by `model.loss_backend`, with identical semantics (labels equal
+to IGNORE_INDEX count for nothing; a batch with no labels has loss 0):
+
+| name    | what                                                                                  |
+|---------|---------------------------------------------------------------------------------------|
+| torch   | full logits, then F.cross_entropy in fp32: the reference (materialises T x V in fp32)  |
+| chunked | ours: T in chunks; each chunk's logits exist only inside the chunk, and the gradients |
+|         | of h and w are computed in the forward pass, so backward is two scalings             |
+| liger   | Liger-Kernel's fused linear cross-entropy (the same idea, Triton; `pip install liger-kernel`) |
+| cce     | Apple's cut-cross-entropy: logits never leave SRAM (Triton; `pip install cut-cross-entropy`) |
+
+Legend: T tokens, D hidden, V vocabulary.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+IGNORE_INDEX = -100
+LOSS_BACKENDS = ("torch", "chunked", "liger", "cce")
+# Optional packages behind a backend: (module, pip name).
+_PACKAGES = {"liger": ("liger_kernel", "liger-kernel"), "cce": ("cut_cross_entropy", "cut-cross-entropy")}
+CHUNK_ELEMENTS = 1 << 28  # logits per chunk of the chunked backend: 512 MiB in bf16
+
+
+def torch_loss(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor) -> Tensor:
+    logits_TV = h_TD @ w_VD.T
+    return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX)
+
+
+def _ce_chunk(logits_CV: Tensor, labels_C: Tensor, inv_count: Tensor) -> tuple[Tensor, Tensor]:
+    """Summed CE of one chunk (fp32, fp64 for fp64) and d(mean loss)/d logits in the logits' dtype."""
+    logits = logits_CV.to(torch.promote_types(logits_CV.dtype, torch.float32))
+    lse_C = logits.logsumexp(-1)
+    valid_C = labels_C != IGNORE_INDEX
+    target_C = labels_C.clamp_min(0)
+    picked_C = logits.gather(1, target_C[:, None])[:, 0]
+    loss = torch.where(valid_C, lse_C - picked_C, 0.0).sum()
+    onehot_CV = torch.arange(logits.shape[1], device=logits.device) == target_C[:, None]
+    grad_CV = (torch.exp(logits - lse_C[:, None]) - onehot_CV.to(logits.dtype)) * (valid_C[:, None] * inv_count)
+    return loss, grad_CV.to(logits_CV.dtype)
+
+
+@functools.cache
+def _compiled_ce_chunk():
+    # fuses the softmax, one-hot and scaling into two passes over the chunk's logits
+    return torch.compile(_ce_chunk, dynamic=True)
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    @torch.autocast("cuda", enabled=False)  # the caller casts h and w to the compute dtype
+    @torch.autocast("cpu", enabled=False)
+    def forward(ctx, h_TD: Tensor, w_VD: Tensor, labels_T: Tensor) -> Tensor:
+        T, V = h_TD.shape[0], w_VD.shape[0]
+        chunk = max(1, CHUNK_ELEMENTS // V)
+        ce = _compiled_ce_chunk() if h_TD.is_cuda else _ce_chunk
+        acc = torch.promote_types(h_TD.dtype, torch.float32)
+        inv_count = 1.0 / (labels_T != IGNORE_INDEX).sum().clamp_min(1).to(acc)
+        loss = torch.zeros((), dtype=acc, device=h_TD.device)
+        grad_h_TD = torch.empty_like(h_TD)
+        grad_w_VD = torch.zeros(w_VD.shape, dtype=acc, device=w_VD.device)
+        for lo in range(0, T, chunk):
+            h_CD = h_TD[lo:lo + chunk]
+            loss_c, grad_CV = ce(h_CD @ w_VD.T, labels_T[lo:lo + chunk], inv_count)
+            loss += loss_c
+            torch.mm(grad_CV, w_VD, out=grad_h_TD[lo:lo + chunk])
+            grad_w_VD += grad_CV.T @ h_CD  # summed over chunks in fp32
+        ctx.save_for_backward(grad_h_TD, grad_w_VD)
+        return loss * inv_count
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        grad_h_TD, grad_w_VD = ctx.saved_tensors
+        return grad_h_TD * grad_loss.to(grad_h_TD.dtype), grad_w_VD * grad_loss, None
+
+
+def chunked_loss(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor) -> Tensor:
+    return _ChunkedLinearCE.apply(h_TD, w_VD, labels_T)
+
+
+def liger_loss(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor) -> Tensor:
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    loss = LigerFusedLinearCrossEntropyFunction.apply(h_TD, w_VD, labels_T, None, None, IGNORE_INDEX)
+    loss = loss[0] if isinstance(loss, tuple) else loss
+    # liger returns NaN-free 0/0 -> 0 for a batch without labels only in some versions
+    return torch.nan_to_num(loss, nan=0.0)
+
+
+def cce_loss(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor) -> Tensor:
+    from cut_cross_entropy import linear_cross_entropy
+
+    # filter_eps=None: exact gradients (the default skips small softmax terms)
+    loss = linear_cross_entropy(h_TD, w_VD, labels_T, ignore_index=IGNORE_INDEX, filter_eps=None)
+    return torch.nan_to_num(loss, nan=0.0)
+
+
+_FUNCTIONS = {"torch": torch_loss, "chunked": chunked_loss, "liger": liger_loss, "cce": cce_loss}
+
+
+def loss_unavailable_reason(name: str, device: torch.device) -> str | None:
+    if name not in _PACKAGES:
+        return None
+    module, pip_name = _PACKAGES[name]
+    if device.type != "cuda":
+        return f"it runs Triton kernels on CUDA GPUs only (device is {device})"
+    try:
+        importlib.import_module(module)
+    except ImportError as err:
+        return f"cannot import {module} ({err}); install it: pip install {pip_name} (or the 'gpu' extra)"
+    return None
+
+
+def get_loss_fn(name: str, device: torch.device):
+    """The loss function of backend `name` on `device`; a ValueError names why it cannot run."""
+    if name not in _FUNCTIONS:
+        raise ValueError(f"model.loss_backend={name!r} is not one of {', '.join(LOSS_BACKENDS)}")
+    reason = loss_unavailable_reason(name, device)
+    if reason is not None:
+        raise ValueError(f"model.loss_backend={name!r} cannot run here: {reason}. "
+                         f"Use model.loss_backend=chunked or torch.")
+    return _FUNCTIONS[name]

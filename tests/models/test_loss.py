@@ -1,0 +1,120 @@
+"""LM head + cross-entropy backends against F.cross_entropy on the full logits."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sonic.models import ModelConfig, MoEConfig, Transformer
+from sonic.models import loss as loss_mod
+
+CPU = torch.device("cpu")
+
+
+def problem(T=37, D=16, V=50, seed=0, ignored=0.3, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, D, generator=g, dtype=dtype, requires_grad=True)
+    w = torch.randn(V, D, generator=g, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[torch.rand(T, generator=g) < ignored] = -100
+    return h, w, labels
+
+
+def reference(h, w, labels):
+    return F.cross_entropy((h @ w.T).double(), labels, ignore_index=-100)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 8, 37, 100])
+def test_chunked_matches_full_logits(monkeypatch, chunk_tokens):
+    h, w, labels = problem(seed=chunk_tokens)
+    monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", chunk_tokens * w.shape[0])  # several chunks, a ragged last
+    got = loss_mod.chunked_loss(h, w, labels)
+    (gh, gw) = torch.autograd.grad(3.0 * got, (h, w))  # a non-unit upstream gradient
+    want = reference(h, w, labels)
+    (wh, ww) = torch.autograd.grad(3.0 * want, (h, w))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(gh, wh)
+    torch.testing.assert_close(gw, ww)
+
+
+def test_chunked_bf16_close_to_fp64():
+    h, w, labels = problem(T=64, D=32, V=300, dtype=torch.float64)
+    want = reference(h, w, labels)
+    (wh, ww) = torch.autograd.grad(want, (h, w))
+    hb, wb = h.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    got = loss_mod.chunked_loss(hb, wb, labels)
+    gh, gw = torch.autograd.grad(got, (hb, wb))
+    assert abs(got.item() - want.item()) / want.item() < 1e-2
+    assert gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
+    for g, r in ((gh, wh), (gw, ww)):
+        assert (g.double() - r).norm() / r.norm() < 2e-2
+
+
+def test_no_labels_is_zero_loss_and_zero_grad():
+    h, w, _ = problem()
+    labels = torch.full((h.shape[0],), -100)
+    got = loss_mod.chunked_loss(h, w, labels)
+    assert got.item() == 0.0
+    gh, gw = torch.autograd.grad(got, (h, w))
+    assert not gh.any() and not gw.any()
+
+
+@pytest.mark.parametrize("backend", ["torch", "chunked"])
+def test_model_loss_equals_cross_entropy_of_its_logits(backend):
+    cfg = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, max_seq_len=32, loss_backend=backend,
+                      tie_embeddings=backend == "chunked", moe=MoEConfig(num_experts=4, top_k=2, expert_dim=16))
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.init_weights(0)
+    ids, labels = torch.randint(0, 64, (2, 12)), torch.randint(0, 64, (2, 12))
+    labels[0, :3] = -100
+    out = model(ids, labels_BS=labels)
+    assert out.logits_BSV is None
+    want = F.cross_entropy(model(ids).logits_BSV.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_bad_backend_names_the_choices_or_the_package():
+    with pytest.raises(ValueError, match="torch, chunked, liger, cce"):
+        ModelConfig(loss_backend="fused")
+    for name, pip in (("liger", "liger-kernel"), ("cce", "cut-cross-entropy")):
+        reason = loss_mod.loss_unavailable_reason(name, CPU)
+        assert reason is not None and "CUDA" in reason
+        with pytest.raises(ValueError, match=f"loss_backend='{name}' cannot run here"):
+            loss_mod.get_loss_fn(name, CPU)
+        assert pip in loss_mod._PACKAGES[name][1]
+
+
+def test_missing_package_names_the_pip_install(monkeypatch):
+    monkeypatch.setitem(loss_mod._PACKAGES, "liger", ("sonic_no_such_module", "liger-kernel"))
+    reason = loss_mod.loss_unavailable_reason("liger", torch.device("cuda"))
+    assert "pip install liger-kernel" in reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["chunked", "liger", "cce"])
+def test_gpu_backends_match_fp32_reference(backend):
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    T, D, V = 4096, 512, 32000
+    h = (torch.randn(T, D, device=dev, generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(V, D, device=dev, generator=g) * 0.05).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (T,), device=dev, generator=g)
+    labels[::7] = -100
+    try:
+        fn = loss_mod.get_loss_fn(backend, dev)
+    except ValueError as err:
+        pytest.skip(str(err))
+    got = fn(h, w, labels)
+    gh, gw = torch.autograd.grad(got, (h, w))
+    hf, wf = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    want = F.cross_entropy(hf @ wf.T, labels, ignore_index=-100)
+    wh, ww = torch.autograd.grad(want, (hf, wf))
+    assert abs(got.item() - want.item()) / want.item() < 5e-3
+    for a, b in ((gh, wh), (gw, ww)):
+        assert torch.isfinite(a).all()
+        assert (a.float() - b).norm() / b.norm() < 2e-2
