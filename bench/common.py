@@ -103,3 +103,14 @@ def median_ms(fn: Callable[[], object], steps: int, warmup: int, cuda: bool) -> 
         if i >= warmup:
             times.append(ms)
     return statistics.median(times)
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], grad_to_none: dict[str, Sequence[torch.Tensor]],
+                   rounds: int = 5, warmup: int = 25, rep: int = 100) -> dict[str, list[float]]:
+    """Per name, bench_ms of fns[name] once per round, the names alternating within each round
+    (A B A B ..., not A A B B), so clock or thermal drift reaches every fn alike; take medians."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench_ms(fn, grad_to_none.get(name, ()), warmup, rep))
+    return times

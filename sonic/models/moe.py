@@ -1,4 +1,6 @@
-"""MoE block: router -> RoutingPlan -> experts kernel (one backend switch) [+ shared expert].
+"""MoE block: router -> RoutingPlan -> dispatch -> experts kernel (one backend switch) [+ shared expert].
+
+Dispatch is local unless sonic/parallel installs expert parallelism (sonic/models/dispatch.py).
 
 Expert weights are stacked tensors so FSDP shards each as one parameter:
   w1_EFD (E, 2N, D): gate/up rows interleaved (see sonic/kernels/swiglu.py)
@@ -11,6 +13,7 @@ from torch import Tensor, nn
 
 from sonic.kernels import ExpertsFn, get_experts_fn
 from sonic.models.config import MoEConfig
+from sonic.models.dispatch import LocalDispatch
 from sonic.models.layers import SwiGLUMLP, compute_dtype
 from sonic.routing import Router, RouterOutput
 
@@ -27,6 +30,7 @@ class MoE(nn.Module):
         self.b2_ED = nn.Parameter(torch.zeros(E, dim)) if cfg.expert_bias else None
         self.shared_expert = SwiGLUMLP(dim, cfg.shared_expert_dim) if cfg.shared_expert_dim else None
         self._experts_fns: dict[torch.device, ExpertsFn] = {}  # resolved once per device, not per call
+        self.dispatch = LocalDispatch()  # AllToAllDispatch under expert parallelism (sonic/parallel)
 
     def experts_fn(self, device: torch.device) -> ExpertsFn:
         if device not in self._experts_fns:
@@ -41,8 +45,8 @@ class MoE(nn.Module):
         cast = lambda t: None if t is None else t.to(dt)  # noqa: E731
         x_TD = cast(x_BSD.reshape(-1, x_BSD.shape[-1]))
         routed = self.router(x_TD)
-        out_TD = self.experts_fn(x_TD.device)(x_TD, cast(self.w1_EFD), cast(self.w2_EDN), routed.plan,
-                                              cast(self.b1_EF), cast(self.b2_ED))
+        out_TD = self.dispatch(self.experts_fn(x_TD.device), x_TD, cast(self.w1_EFD), cast(self.w2_EDN), routed.plan,
+                               cast(self.b1_EF), cast(self.b2_ED))
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
         return out_TD.view(x_BSD.shape), routed

@@ -1,4 +1,4 @@
-"""Parallelism configuration: FSDP-2 mesh, mixed precision, activation checkpointing, compile."""
+"""Parallelism configuration: FSDP-2 mesh, expert parallelism, mixed precision, activation checkpointing, compile."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +11,7 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 @dataclass
 class ParallelConfig:
     dp_replicate: int = 1  # HSDP: replicas across nodes (1 = plain FSDP over all ranks)
+    ep: int = 1  # expert parallelism: experts split over groups of `ep` adjacent ranks (inside a node), tokens all-to-all
     reshard_after_forward: bool = True  # False keeps gathered params until backward (more memory, less comm)
     param_dtype: str = "bf16"  # FSDP mixed precision on GPU: compute dtype of gathered params
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype
@@ -27,7 +28,7 @@ class ParallelConfig:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in PARAM_DTYPES:
                 raise ValueError(f"parallel.{name}={getattr(self, name)!r} is not one of {', '.join(PARAM_DTYPES)}")
-        for name in ("dp_replicate", "ac_every"):
+        for name in ("dp_replicate", "ep", "ac_every"):
             if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)!r} must be an integer >= 1")
         if self.compile_backend not in COMPILE_BACKENDS:

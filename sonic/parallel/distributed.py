@@ -20,7 +20,7 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: DeviceMesh | None  # (dp_replicate, dp_shard); None in a single process
+    mesh: DeviceMesh | None  # (dp_replicate, dp_shard), or (dp_replicate, efsdp, ep) under EP; None in one process
     owns_group: bool = False  # init_distributed created the process group, so shutdown() destroys it
 
     @property
@@ -72,19 +72,35 @@ def init_distributed(cfg: ParallelConfig, device: str) -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local_rank)
     if world == 1:
+        if cfg.ep > 1:
+            raise ValueError(f"parallel.ep={cfg.ep} needs {cfg.ep} processes (torchrun --nproc-per-node); "
+                             f"this is a single process, so use parallel.ep=1")
         return DistInfo(0, 1, 0, dev, None)
     if world % cfg.dp_replicate:
         raise ValueError(f"parallel.dp_replicate={cfg.dp_replicate} does not divide the world size {world}; "
                          f"use the number of nodes (or 1 for plain FSDP)")
+    if (world // cfg.dp_replicate) % cfg.ep:
+        raise ValueError(f"parallel.ep={cfg.ep} does not divide the {world // cfg.dp_replicate} ranks of a "
+                         f"data-parallel replica (world size {world} / dp_replicate {cfg.dp_replicate}); "
+                         f"use a divisor of the GPUs per node")
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
     if backend == "nccl" and dev.type != "cuda":
         raise ValueError("parallel.backend=nccl needs train.device=cuda; use parallel.backend=gloo on CPU")
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
-    shape = (cfg.dp_replicate, world // cfg.dp_replicate)
-    mesh = init_device_mesh(dev.type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
-    return DistInfo(rank, world, local_rank, dev, mesh, owns)
+    return DistInfo(rank, world, local_rank, dev, build_mesh(dev.type, world, cfg.dp_replicate, cfg.ep), owns)
+
+
+def build_mesh(device_type: str, world: int, dp_replicate: int, ep: int) -> DeviceMesh:
+    """(dp_replicate, dp_shard); under EP dp_shard splits into (efsdp, ep), ep innermost so that an
+    ep group is adjacent ranks (one node), and "dp_shard" stays addressable as their flattening."""
+    shard = world // dp_replicate
+    if ep == 1:
+        return init_device_mesh(device_type, (dp_replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    mesh = init_device_mesh(device_type, (dp_replicate, shard // ep, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+    mesh[("efsdp", "ep")]._flatten("dp_shard")
+    return mesh
 
 
 def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

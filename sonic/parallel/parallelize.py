@@ -1,4 +1,4 @@
-"""Apply torch.compile, activation checkpointing and FSDP-2 to a Transformer.
+"""Apply expert parallelism, torch.compile, activation checkpointing and FSDP-2 to a Transformer.
 
 Order: compile each block, wrap it for activation checkpointing (AC), then fully_shard each
 block and finally the root. torchtitan compiles the AC-wrapped block instead; that order
@@ -14,6 +14,12 @@ token exactly as the original forward did.
 
 Inside forward, FSDP all-gathers each block's parameters into plain unsharded tensors, so
 every kernel backend sees ordinary local tensors.
+
+Expert parallelism (parallel.ep > 1, as torchtitan does it): each MoE block's expert weights
+become DTensors sharded by expert over the `ep` mesh dimension, and FSDP shards them further
+over `efsdp` (the data-parallel ranks that hold the same experts) on a non-expert dim; every
+other parameter is FSDP over all of dp_shard. The checkpoint then sees full-shape tensors at any
+ep. Tokens reach the experts through sonic/models/dispatch.py's all-to-all.
 """
 from __future__ import annotations
 
@@ -21,12 +27,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
+# FSDP-2's per-parameter mesh (torch >= 2.13; torchtitan's EP uses the same)
+from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+from torch.distributed.tensor import Shard, distribute_tensor
 
+from sonic.models.dispatch import AllToAllDispatch
+from sonic.models.moe import MoE
 from sonic.parallel.config import ParallelConfig
 from sonic.parallel.distributed import DistInfo
 from sonic.routing import Router
+
+EXPERT_WEIGHTS = ("w1_EFD", "w2_EDN", "b1_EF", "b2_ED")
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -37,14 +51,41 @@ def expert_shard_dim(shape: torch.Size, shard_size: int) -> int | None:
     return next((dim for dim, size in enumerate(shape) if size % shard_size == 0), None)
 
 
-def _placement_fn(shard_size: int):
-    def placement(param: nn.Parameter) -> Shard | None:
+def _placement_fn(shard_size: int, experts_mesh: DeviceMesh | None):
+    """FSDP's placement per parameter. Under EP (experts_mesh set) the ep-sharded expert weights go
+    to FSDP over experts_mesh, on the first of dims 1.. that it divides: dim 0 is already split
+    by expert, and FSDP splitting it again would need strided shards."""
+    experts_info = _get_mesh_info(experts_mesh) if experts_mesh is not None else None
+
+    def placement(param: nn.Parameter) -> Shard | ShardPlacementResult | None:
+        if experts_info is not None and getattr(param, "_sonic_ep", False):
+            size = experts_mesh.size(experts_mesh.ndim - 1)  # the efsdp dim (after dp_replicate under HSDP)
+            dim = next((d for d in range(1, param.dim()) if param.shape[d] % size == 0), None)
+            if dim is None:
+                raise ValueError(f"no dim of an expert weight {tuple(param.shape)} divides the {size} ranks "
+                                 f"that share its experts (world / dp_replicate / ep); raise parallel.ep")
+            return ShardPlacementResult(placement=Shard(dim), mesh_info=experts_info)
         if param.dim() < 3:  # only stacked expert weights; the rest is small or evenly split
             return None
         dim = expert_shard_dim(param.shape, shard_size)
         return None if dim is None else Shard(dim)
 
     return placement
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Keep each MoE block's experts [q*E/P, (q+1)*E/P) on ep rank q and route tokens to them
+    by all-to-all; token rounding rounds the ep group's summed counts."""
+    group = ep_mesh.get_group()
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        for name in EXPERT_WEIGHTS:
+            weight = getattr(moe, name)
+            if weight is not None:
+                sharded = nn.Parameter(distribute_tensor(weight.detach(), ep_mesh, [Shard(0)], src_data_rank=None))
+                sharded._sonic_ep = True  # FSDP places it on the expert-data-parallel mesh
+                setattr(moe, name, sharded)
+        moe.dispatch = AllToAllDispatch(group, moe.router.num_experts)
+        moe.router.ep_group = group
 
 
 def checkpointed(i: int, cfg: ParallelConfig) -> bool:
@@ -73,11 +114,15 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, info: DistInfo) -> nn.Mod
     for module in model.modules():  # the aux loss counts expert picks over every data-parallel rank
         if isinstance(module, Router):
             module.stats_group = dist.group.WORLD
-    mesh = info.mesh if cfg.dp_replicate > 1 else info.mesh["dp_shard"]  # 2-D mesh = HSDP
+    experts_mesh = None
+    if cfg.ep > 1:
+        apply_expert_parallel(model, info.mesh["ep"])
+        experts_mesh = info.mesh["efsdp"] if cfg.dp_replicate == 1 else info.mesh[("dp_replicate", "efsdp")]
+    mesh = info.mesh["dp_shard"] if cfg.dp_replicate == 1 else info.mesh[("dp_replicate", "dp_shard")]  # 2-D = HSDP
     on_gpu = info.device.type == "cuda"  # bf16 compute on CPU would only be slow and inexact
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype] if on_gpu else torch.float32,
                               reduce_dtype=DTYPES[cfg.reduce_dtype] if on_gpu else torch.float32)
-    placement = _placement_fn(info.mesh["dp_shard"].size())
+    placement = _placement_fn(info.mesh["dp_shard"].size(), experts_mesh)
     for i, block in enumerate(layers):
         # The last block's parameters are needed again right at the start of backward.
         reshard = cfg.reshard_after_forward and i < len(layers) - 1
@@ -87,6 +132,12 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, info: DistInfo) -> nn.Mod
     # also need FSDP to find the forward's output tensors to hook the re-gather on, and
     # FSDP-2 before torch 2.13 does not look inside our ModelOutput dataclass.
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    if cfg.ep > 1:
+        # An expert's gradient already sums its ep group's tokens (the all-to-all's backward), and
+        # FSDP then sums over efsdp: divide every gradient by the world size, not its mesh's size.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(float(info.world_size))
     return model
 
 

@@ -76,6 +76,7 @@ class Router(nn.Module):
         self.register_buffer("balance_residual_E", torch.zeros(num_experts, dtype=torch.int64))
         self.register_buffer("balance_pending_E", torch.zeros(num_experts, dtype=torch.int64))
         self.stats_group = None  # process group whose picks the aux loss counts (None: this process)
+        self.ep_group = None  # expert-parallel group: token rounding rounds its summed counts (sonic/parallel)
 
     def forward(self, x_TD: Tensor) -> RouterOutput:
         """x_TD in the compute dtype (the MoE block casts it once for the router and the experts)."""
@@ -111,7 +112,7 @@ class Router(nn.Module):
         if balance and not _recomputing():
             self.balance_residual_E.copy_(self.balance_pending_E)
         rounded = token_rounding_plan(probs_TE, expert_idx_TK, gates_TK, self.cfg.tile_size, mode,
-                                      residual_E=self.balance_residual_E if balance else None)
+                                      residual_E=self.balance_residual_E if balance else None, group=self.ep_group)
         if balance and not _recomputing():
             self.balance_pending_E.copy_(self.balance_residual_E + rounded.topk_counts_E - rounded.rounded_E)
         return rounded.plan

@@ -23,6 +23,16 @@ benchmark does. An aux-loss-free expert bias only moves the TC selection (step 1
 ranking keys and gates use the unbiased probabilities. Only the final row selection synchronises with the host (the row count is
 data dependent); counts and rounding decisions stay on device.
 
+Under expert parallelism (`group`, the ep process group) an expert's GEMM runs over the rows
+that every rank of the group sends it, so the counts are rounded as one batch: f_e is summed
+over the group (one all-reduce), c_e is decided from it identically on every rank, and the
+ranks then agree on which c_e rows to keep exactly as one process holding the group's whole
+batch would (tokens numbered rank-major). Each rank's candidates for e are already ranked; only
+a window of 2M of them around its own f_e can be on the boundary (|c_e - f_e| < M), so the ranks
+all-gather those windows' (key, P, token) triples, E * 2M per rank, and merge them. Stochastic
+rounding sums the ranks' uniform draws mod 1, which is uniform and the same on every rank.
+nearest_score would need the group's ranked gate sums and is not supported there.
+
 Rounding rules (r_e = f_e mod M; every rule returns down_e when r_e = 0):
   nearest        up iff 2 r_e >= M (NR-f; a tie rounds up, keeping the TC picks)
   stochastic     up with probability r_e / M (SR-f), one torch.rand(E) on f's device, so
@@ -43,6 +53,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from sonic.routing.plan import RoutingPlan, build_plan
@@ -50,8 +61,8 @@ from sonic.routing.plan import RoutingPlan, build_plan
 
 class RoundedPlan(NamedTuple):
     plan: RoutingPlan
-    topk_counts_E: Tensor  # f_e (int64)
-    rounded_E: Tensor  # c_e (int64) = plan.counts_E()
+    topk_counts_E: Tensor  # f_e (int64), over the ep group when there is one
+    rounded_E: Tensor  # c_e (int64) = plan.counts_E(), summed over the ep group when there is one
 
 
 def tile_bounds(counts_E: Tensor, tile: int, num_tokens: int) -> tuple[Tensor, Tensor]:
@@ -68,14 +79,18 @@ def _segment_sums(ranked_TE: Tensor, lo_E: Tensor, hi_E: Tensor) -> Tensor:
 
 
 def round_counts(counts_E: Tensor, tile: int, mode: str, num_tokens: int, *,
-                 ranked_gates_TE: Tensor | None = None, residual_E: Tensor | None = None) -> Tensor:
-    """c_e per the module docstring. nearest_score needs the ranked gates, balance the residual."""
+                 ranked_gates_TE: Tensor | None = None, residual_E: Tensor | None = None,
+                 uniform_E: Tensor | None = None) -> Tensor:
+    """c_e per the module docstring. nearest_score needs the ranked gates, balance the residual;
+    stochastic draws its own uniforms unless given `uniform_E`."""
     down_E, up_E = tile_bounds(counts_E, tile, num_tokens)
     rem_E = counts_E - down_E
     if mode == "nearest":
         go_up_E = 2 * rem_E >= tile
     elif mode == "stochastic":
-        go_up_E = torch.rand(counts_E.shape, device=counts_E.device) * tile < rem_E
+        if uniform_E is None:
+            uniform_E = torch.rand(counts_E.shape, device=counts_E.device)
+        go_up_E = uniform_E * tile < rem_E
     elif mode == "nearest_score":
         assert ranked_gates_TE is not None
         added_E = _segment_sums(ranked_gates_TE, counts_E, up_E)
@@ -102,18 +117,72 @@ def rank_candidates(gate_TE: Tensor, is_topk_TE: Tensor, probs_TE: Tensor) -> Te
 
 
 def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, tile: int, mode: str,
-                        residual_E: Tensor | None = None) -> RoundedPlan:
-    """The rounded plan from the full softmax and the TC top-K picks with their gates."""
+                        residual_E: Tensor | None = None, group: dist.ProcessGroup | None = None) -> RoundedPlan:
+    """The rounded plan from the full softmax and the TC top-K picks with their gates; with an ep
+    `group`, rounded over the group's whole batch (module docstring)."""
     T, E = probs_TE.shape
     gate_TE = probs_TE.scatter(1, expert_idx_TK, gates_TK)  # TC: top-K gate, EC: P_te
     is_topk_TE = torch.zeros_like(probs_TE, dtype=torch.bool).scatter_(1, expert_idx_TK, True)
     counts_E = is_topk_TE.sum(0)
     with torch.no_grad():
         order_TE = rank_candidates(gate_TE.detach(), is_topk_TE, probs_TE.detach())
-        ranked_gates_TE = gate_TE.detach().gather(0, order_TE) if mode == "nearest_score" else None
-        rounded_E = round_counts(counts_E, tile, mode, T, ranked_gates_TE=ranked_gates_TE, residual_E=residual_E)
-    keep_TE = torch.arange(T, device=probs_TE.device)[:, None] < rounded_E[None, :]
+        if group is None:
+            ranked_gates_TE = gate_TE.detach().gather(0, order_TE) if mode == "nearest_score" else None
+            rounded_E = round_counts(counts_E, tile, mode, T, ranked_gates_TE=ranked_gates_TE, residual_E=residual_E)
+            keep_E, topk_counts_E = rounded_E, counts_E
+        else:
+            if mode == "nearest_score":
+                raise ValueError("routing.rounding_mode=nearest_score is not supported with parallel.ep > 1; "
+                                 "use nearest, stochastic or balance")
+            ranks = dist.get_world_size(group)
+            topk_counts_E = _group_sum(counts_E, group)
+            uniform_E = None
+            if mode == "stochastic":  # the same draw on every rank of the group
+                uniform_E = _group_sum(torch.rand(E, device=probs_TE.device, dtype=torch.float64), group).frac()
+            rounded_E = round_counts(topk_counts_E, tile, mode, T * ranks, residual_E=residual_E, uniform_E=uniform_E)
+            key_TE = torch.where(is_topk_TE, gate_TE.detach(), probs_TE.detach() - 1)
+            keep_E = _keep_counts(order_TE, key_TE, probs_TE.detach(), counts_E, rounded_E, tile, group)
+    keep_TE = torch.arange(T, device=probs_TE.device)[:, None] < keep_E[None, :]
     rank_idx, expert_idx = keep_TE.nonzero(as_tuple=True)  # the one host sync: the kept row count
     token_idx = order_TE[rank_idx, expert_idx]
     plan = build_plan(token_idx, expert_idx, gate_TE[token_idx, expert_idx], T, E)
-    return RoundedPlan(plan, counts_E, rounded_E)
+    return RoundedPlan(plan, topk_counts_E, rounded_E)
+
+
+def _group_sum(t: Tensor, group: dist.ProcessGroup) -> Tensor:
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def _keep_counts(order_TE: Tensor, key_TE: Tensor, probs_TE: Tensor, counts_E: Tensor, rounded_E: Tensor,
+                 tile: int, group: dist.ProcessGroup) -> Tensor:
+    """How many of its ranked candidates per expert this rank keeps, so that the group keeps the
+    top rounded_E of its whole batch by (key desc, P desc, token asc).
+
+    A rank's candidates ranked above f_e - M are kept whatever the other ranks hold (fewer than
+    M rows are dropped from the group's f_e), and those at f_e + M or below are not (fewer than
+    M are added), so only the window [f_e - M, f_e + M) of each rank needs merging.
+    """
+    T, E = key_TE.shape
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    start_E = (counts_E - tile).clamp_min(0)
+    pos_WE = start_E[None, :] + torch.arange(2 * tile, device=key_TE.device)[:, None]
+    valid_WE = pos_WE < T
+    tok_WE = order_TE.gather(0, pos_WE.clamp(max=T - 1))
+    neg_inf = torch.tensor(-torch.inf, dtype=torch.float64, device=key_TE.device)
+    window_3WE = torch.stack([torch.where(valid_WE, key_TE.gather(0, tok_WE).double(), neg_inf),
+                              torch.where(valid_WE, probs_TE.gather(0, tok_WE).double(), neg_inf),
+                              (tok_WE + rank * T).double(),  # the token's number in the group's batch
+                              start_E.double().expand_as(pos_WE)])
+    gathered = [torch.empty_like(window_3WE) for _ in range(ranks)]
+    dist.all_gather(gathered, window_3WE, group=group)
+    key_CE, prob_CE, tok_CE, start_CE = (torch.cat(parts) for parts in zip(*gathered))  # C = ranks * 2M
+    owner_CE = torch.arange(ranks, device=key_TE.device).repeat_interleave(2 * tile)[:, None].expand_as(key_CE)
+    order_CE = tok_CE.argsort(0, stable=True)  # token asc, then P desc, then key desc (stable passes)
+    order_CE = order_CE.gather(0, prob_CE.gather(0, order_CE).argsort(0, descending=True, stable=True))
+    order_CE = order_CE.gather(0, key_CE.gather(0, order_CE).argsort(0, descending=True, stable=True))
+    needed_E = rounded_E - start_CE[:: 2 * tile].sum(0).long()  # rows still to take from the windows
+    taken_CE = torch.arange(key_CE.shape[0], device=key_TE.device)[:, None] < needed_E[None, :]
+    mine_E = (taken_CE & (owner_CE.gather(0, order_CE) == rank)).sum(0)
+    return start_E + mine_E

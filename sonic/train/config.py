@@ -74,6 +74,10 @@ class Config:
     def __post_init__(self):
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        if self.model.moe.num_experts % self.parallel.ep:
+            raise ValueError(f"parallel.ep={self.parallel.ep} does not divide model.moe.num_experts="
+                             f"{self.model.moe.num_experts}: every ep rank holds the same number of experts; "
+                             f"pick a divisor of the expert count")
 
 
 def register_schema() -> None:

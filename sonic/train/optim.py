@@ -58,6 +58,24 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
 
 
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """Scale the gradients to a global L2 norm of at most max_norm (inf: only measure it) and
+    return that norm as a plain tensor, over every shard. DTensor norms take one device mesh at a
+    time, and under expert parallelism the experts live on another mesh than the rest."""
+    by_mesh: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
     """Multiplier of cfg.lr at `step` (0-based count of completed optimizer steps)."""
     if step < cfg.warmup_steps:

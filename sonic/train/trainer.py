@@ -26,7 +26,7 @@ from sonic.train.config import Config, to_yaml
 from sonic.train.guard import NonFiniteGuard
 from sonic.train.loggers import MetricLogger
 from sonic.train.metrics import expert_load, peak_flops, speed_metrics
-from sonic.train.optim import build_optimizer, build_scheduler
+from sonic.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 
 log = logging.getLogger("sonic")
 
@@ -161,10 +161,7 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
                 else:
                     aux = z = torch.zeros((), device=device)
                 loss_sum += torch.stack([loss.detach(), aux, z])
-            # On sharded (DTensor) grads the norm is reduced over all shards: the global norm.
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
+            grad_norm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip or float("inf"))  # over all shards
             guard.step(grad_norm, step + 1)  # optimizer.step(), unless the norm is non-finite (train.nonfinite)
             scheduler.step()  # also after a skipped step: the schedule follows the step counter
             optimizer.zero_grad(set_to_none=True)

@@ -10,6 +10,7 @@ from sonic.models import Transformer
 from sonic.models.loading import complete_checkpoints
 from sonic.train.checkpoint import Checkpointer
 from sonic.train.optim import build_optimizer
+from sonic.train import trainer
 from sonic.train.trainer import train
 from tests.helpers import compose_config
 
@@ -23,8 +24,8 @@ def run(tmp_path, *overrides):
 
 @pytest.fixture
 def nan_at_step_3(monkeypatch):
-    """The third call of clip_grad_norm_ (step 3) first sets one gradient element to NaN."""
-    real, calls = torch.nn.utils.clip_grad_norm_, []
+    """The trainer's third call of clip_grad_norm (step 3) first sets one gradient element to NaN."""
+    real, calls = trainer.clip_grad_norm, []
 
     def clip(params, *args, **kwargs):
         params = list(params)
@@ -33,7 +34,7 @@ def nan_at_step_3(monkeypatch):
             params[0].grad.view(-1)[0] = float("nan")
         return real(params, *args, **kwargs)
 
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    monkeypatch.setattr(trainer, "clip_grad_norm", clip)
 
 
 def load(path):

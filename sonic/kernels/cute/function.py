@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from sonic.kernels import saved
-from sonic.kernels.cute import ops
+from sonic.kernels.cute import check_inputs, ops
 from sonic.routing.plan import RoutingPlan
 
 
@@ -44,27 +44,6 @@ class _SonicMoECute(torch.autograd.Function):
         dw1 = ops.dw1(dh_RF, x_TD, tok, off, E)
         dx_TD = ops.gather_sum(dxt_RD, plan.token_offsets_T1, plan.rows_by_token_R)
         return saved.grads(ctx, dx_TD, dw1, dw2, None, None, ds_R.to(scores_R.dtype))
-
-
-def check_inputs(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan, b1_EF, b2_ED) -> None:
-    """User errors are ValueErrors that say what to change."""
-    if b1_EF is not None or b2_ED is not None:
-        raise ValueError("the cute backend does not fuse expert biases; keep biases out of the "
-                         "experts (DESIGN.md) or use kernel_backend=triton/reference")
-    if x_TD.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"the cute backend runs bf16/fp16 activations, got {x_TD.dtype}")
-    if w1_EFD.dtype != x_TD.dtype or w2_EDN.dtype != x_TD.dtype:
-        raise ValueError("the cute backend needs x, w1 and w2 in one dtype "
-                         f"(got {x_TD.dtype}, {w1_EFD.dtype}, {w2_EDN.dtype})")
-    E, F, D = w1_EFD.shape
-    if F % 2 or w2_EDN.shape != (E, D, F // 2) or x_TD.shape[-1] != D:
-        raise ValueError(f"shape mismatch: x {tuple(x_TD.shape)}, w1 {tuple(w1_EFD.shape)}, "
-                         f"w2 {tuple(w2_EDN.shape)}")
-    if D % 8 or (F // 2) % 8:
-        raise ValueError(f"the cute backend needs d and n to be multiples of 8 (16-byte rows); "
-                         f"got d={D}, n={F // 2}")
-    if plan.num_experts != E:
-        raise ValueError(f"plan has {plan.num_experts} experts, weights have {E}")
 
 
 def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,

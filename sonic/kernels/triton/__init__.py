@@ -15,6 +15,8 @@ This module imports without Triton so that `unavailable_reason` can say why it i
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -39,6 +41,10 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
             b1_EF: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
+    # the registry checks the rest (unavailable_reason) once; TRITON_INTERPRET=1 runs on the CPU
+    if x_TD.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"the triton backend needs CUDA tensors, got x_TD on {x_TD.device}; "
+                         f"use kernel_backend=reference (or auto) on {x_TD.device.type}")
     from sonic.kernels.triton.function import experts as _experts  # needs triton
 
     return _experts(x_TD, w1_EFD, w2_EDN, plan, b1_EF, b2_ED)
