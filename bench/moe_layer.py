@@ -139,7 +139,7 @@ def official_layer(official, p: Problem):
     T, d, n, E, K = p.shape
     moe = MoE(num_experts=E, num_experts_per_tok=K, hidden_size=d, intermediate_size=n,
               activation_function=ActivationType.SWIGLU, add_bias=False, std=0.02)
-    moe = moe.to(device="cuda", dtype=torch.bfloat16)
+    moe = moe.to(device=p.device, dtype=torch.bfloat16)
     with torch.no_grad():  # same weights: c_fc is (E, 2n, d) gate/up interleaved, c_proj (E, d, n)
         moe.router.weight.copy_(p.wr)
         moe.c_fc.weight.copy_(p.w1)
@@ -444,6 +444,28 @@ def held_mib(forward, cuda: bool) -> float | None:
     return held / 2**20
 
 
+def block_tflops(fwd_ms: float, fb_ms: float, unit: float, prefix: str = "") -> dict:
+    """ms and TFLOPS fields from median fwd and fwd+bwd ms (bwd = their difference; None if not > 0)."""
+    bwd_ms = fb_ms - fwd_ms
+    return {f"{prefix}fwd_ms": fwd_ms, f"{prefix}fb_ms": fb_ms, f"{prefix}bwd_ms": bwd_ms,
+            f"{prefix}fwd_tflops": 6 * unit / fwd_ms, f"{prefix}fb_tflops": 18 * unit / fb_ms,
+            f"{prefix}bwd_tflops": 12 * unit / bwd_ms if bwd_ms > 0 else None}
+
+
+def setup_official(official, p: Problem, aux_coef: float, cuda: bool) -> dict:
+    """The official layer on p's weights: fwd / fb callables, leaves, first-call s, held MiB, output."""
+    _, module, leaves = official_layer(official, p)
+    forward = official_forward(module, p.x, aux_coef)
+    off = {"leaves": leaves}
+    off["fwd"], off["fb"] = step_fns(forward, p.dout)
+    off["compile_s"] = first_call_s(off["fb"], leaves, cuda)
+    off["held_mib"] = held_mib(forward, cuda)
+    with torch.no_grad():
+        off["out"] = module(p.x)[0]
+    print(f"{'official':>10}: first call {off['compile_s']:.1f}s, held {off['held_mib'] or 0:.0f} MiB", flush=True)
+    return off
+
+
 def block_grads(moe, p: Problem, autocast: bool) -> dict:
     x_TD = p.x.detach().clone().requires_grad_()
     moe.zero_grad(set_to_none=True)
@@ -473,15 +495,7 @@ def run_block_config(name, shape, backends, official, args, done, emit) -> None:
     off, off_err = None, None
     if official is not None:
         try:
-            _, module, off_leaves = official_layer(official, p)
-            forward = official_forward(module, p.x, aux_coef)
-            off = {"leaves": off_leaves}
-            off["fwd"], off["fb"] = step_fns(forward, p.dout)
-            off["compile_s"] = first_call_s(off["fb"], off_leaves, cuda)
-            off["held_mib"] = held_mib(forward, cuda)
-            with torch.no_grad():
-                off["out"] = module(p.x)[0]
-            print(f"{'official':>10}: first call {off['compile_s']:.1f}s, held {off['held_mib']:.0f} MiB", flush=True)
+            off = setup_official(official, p, aux_coef, cuda)
         except Exception as err:  # noqa: BLE001 - the sonic rows still run
             off, off_err = None, f"{type(err).__name__}: {err}"
             print(f"{'official':>10}: FAILED {off_err[:300]}", flush=True)
@@ -512,17 +526,12 @@ def run_block_config(name, shape, backends, official, args, done, emit) -> None:
             times = interleaved_ms(fns, grad_leaves, args.rounds, args.warmup, args.rep)
             med = {k: statistics.median(v) for k, v in times.items()}
             rec["rounds_ms"] = times
-            rec.update(fwd_ms=med["fwd"], fb_ms=med["fb"], bwd_ms=med["fb"] - med["fwd"])
-            rec.update(fwd_tflops=6 * unit / med["fwd"], fb_tflops=18 * unit / med["fb"],
-                       bwd_tflops=12 * unit / rec["bwd_ms"] if rec["bwd_ms"] > 0 else None)
+            rec.update(block_tflops(med["fwd"], med["fb"], unit))
             if off is not None:
-                obwd = med["official_fb"] - med["official_fwd"]
-                rec.update(official_fwd_ms=med["official_fwd"], official_fb_ms=med["official_fb"], official_bwd_ms=obwd,
-                           official_fwd_tflops=6 * unit / med["official_fwd"],
-                           official_bwd_tflops=12 * unit / obwd if obwd > 0 else None,
-                           official_fb_tflops=18 * unit / med["official_fb"], official_held_mib=off["held_mib"],
-                           official_compile_s=off["compile_s"], official_err_out=rel_err(off["out"], ref["out"]))
-                rec["ratio_fb"] = rec["fb_tflops"] / rec["official_fb_tflops"]
+                rec.update(block_tflops(med["official_fwd"], med["official_fb"], unit, "official_"))
+                rec.update(official_held_mib=off["held_mib"], official_compile_s=off["compile_s"],
+                           official_err_out=rel_err(off["out"], ref["out"]),
+                           ratio_fb=rec["fb_tflops"] / rec["official_fb_tflops"])
             for t in leaves:
                 t.grad = None
             vs = f"official f+b {rec['official_fb_tflops']:.3g}, ratio {rec['ratio_fb']:.2f}" if off else "no official"

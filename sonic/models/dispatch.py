@@ -39,9 +39,28 @@ class LocalDispatch:
         return experts_fn(x_TD, w1_EFD, w2_EDN, plan, b1_EF, b2_ED)
 
 
-def _local(t: Tensor | None) -> Tensor | None:
-    """This rank's experts of a weight sharded over ep (FSDP hands it over as a DTensor)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.scale, None
+
+
+def _local(t: Tensor | None, ranks: int) -> Tensor | None:
+    """This rank's experts of a weight sharded over ep (FSDP hands it over as a DTensor).
+
+    Each rank's loss is the mean over its own tokens and data parallelism averages gradients
+    over ranks. A local expert's gradient sums the tokens of all `ranks` ranks of the ep group,
+    so it takes 1/ranks of it here, and FSDP's average over the ranks holding the same experts
+    (efsdp, and dp_replicate) completes the mean over the world.
+    """
+    if t is None:
+        return None
+    return _ScaleGrad.apply(t.to_local() if isinstance(t, DTensor) else t, 1.0 / ranks)
 
 
 class AllToAllDispatch:
@@ -55,7 +74,7 @@ class AllToAllDispatch:
                  b1_EF: Tensor | None, b2_ED: Tensor | None) -> Tensor:
         P, L, dev = self.ranks, self.local_experts, x_TD.device
         T, D = x_TD.shape
-        w1_LFD, w2_LDN, b1_LF, b2_LD = (_local(t) for t in (w1_EFD, w2_EDN, b1_EF, b2_ED))
+        w1_LFD, w2_LDN, b1_LF, b2_LD = (_local(t, P) for t in (w1_EFD, w2_EDN, b1_EF, b2_ED))
         assert w1_LFD.shape[0] == L, (w1_LFD.shape, L)
 
         # 1. one copy per (destination rank, token), token-ascending within a destination

@@ -20,8 +20,9 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: DeviceMesh | None  # (dp_replicate, dp_shard), or (dp_replicate, efsdp, ep) under EP; None in one process
+    mesh: DeviceMesh | None  # (dp_replicate, dp_shard); None in a single process
     owns_group: bool = False  # init_distributed created the process group, so shutdown() destroys it
+    experts_mesh: DeviceMesh | None = None  # (dp_replicate, efsdp, ep): dp_shard split for expert parallelism
 
     @property
     def is_main(self) -> bool:
@@ -89,18 +90,17 @@ def init_distributed(cfg: ParallelConfig, device: str) -> DistInfo:
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
-    return DistInfo(rank, world, local_rank, dev, build_mesh(dev.type, world, cfg.dp_replicate, cfg.ep), owns)
+    mesh = init_device_mesh(dev.type, (cfg.dp_replicate, world // cfg.dp_replicate),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    return DistInfo(rank, world, local_rank, dev, mesh, owns, experts_mesh(mesh, cfg.ep))
 
 
-def build_mesh(device_type: str, world: int, dp_replicate: int, ep: int) -> DeviceMesh:
-    """(dp_replicate, dp_shard); under EP dp_shard splits into (efsdp, ep), ep innermost so that an
-    ep group is adjacent ranks (one node), and "dp_shard" stays addressable as their flattening."""
-    shard = world // dp_replicate
+def experts_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh | None:
+    """Under expert parallelism, dp_shard split into (efsdp, ep), ep innermost so that an ep
+    group is adjacent ranks (one node); efsdp are the ranks that hold the same experts."""
     if ep == 1:
-        return init_device_mesh(device_type, (dp_replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
-    mesh = init_device_mesh(device_type, (dp_replicate, shard // ep, ep), mesh_dim_names=("dp_replicate", "efsdp", "ep"))
-    mesh[("efsdp", "ep")]._flatten("dp_shard")
-    return mesh
+        return None
+    return mesh._unflatten("dp_shard", (mesh["dp_shard"].size() // ep, ep), ("efsdp", "ep"))
 
 
 def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

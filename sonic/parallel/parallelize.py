@@ -115,10 +115,10 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, info: DistInfo) -> nn.Mod
         if isinstance(module, Router):
             module.stats_group = dist.group.WORLD
     experts_mesh = None
-    if cfg.ep > 1:
-        apply_expert_parallel(model, info.mesh["ep"])
-        experts_mesh = info.mesh["efsdp"] if cfg.dp_replicate == 1 else info.mesh[("dp_replicate", "efsdp")]
-    mesh = info.mesh["dp_shard"] if cfg.dp_replicate == 1 else info.mesh[("dp_replicate", "dp_shard")]  # 2-D = HSDP
+    if info.experts_mesh is not None:
+        apply_expert_parallel(model, info.experts_mesh["ep"])
+        experts_mesh = info.experts_mesh["efsdp" if cfg.dp_replicate == 1 else ("dp_replicate", "efsdp")]
+    mesh = info.mesh if cfg.dp_replicate > 1 else info.mesh["dp_shard"]  # 2-D mesh = HSDP
     on_gpu = info.device.type == "cuda"  # bf16 compute on CPU would only be slow and inexact
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype] if on_gpu else torch.float32,
                               reduce_dtype=DTYPES[cfg.reduce_dtype] if on_gpu else torch.float32)
@@ -132,12 +132,6 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, info: DistInfo) -> nn.Mod
     # also need FSDP to find the forward's output tensors to hook the re-gather on, and
     # FSDP-2 before torch 2.13 does not look inside our ModelOutput dataclass.
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    if cfg.ep > 1:
-        # An expert's gradient already sums its ep group's tokens (the all-to-all's backward), and
-        # FSDP then sums over efsdp: divide every gradient by the world size, not its mesh's size.
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(float(info.world_size))
     return model
 
 

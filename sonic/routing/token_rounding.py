@@ -179,9 +179,9 @@ def _keep_counts(order_TE: Tensor, key_TE: Tensor, probs_TE: Tensor, counts_E: T
     dist.all_gather(gathered, window_3WE, group=group)
     key_CE, prob_CE, tok_CE, start_CE = (torch.cat(parts) for parts in zip(*gathered))  # C = ranks * 2M
     owner_CE = torch.arange(ranks, device=key_TE.device).repeat_interleave(2 * tile)[:, None].expand_as(key_CE)
-    order_CE = tok_CE.argsort(0, stable=True)  # token asc, then P desc, then key desc (stable passes)
-    order_CE = order_CE.gather(0, prob_CE.gather(0, order_CE).argsort(0, descending=True, stable=True))
-    order_CE = order_CE.gather(0, key_CE.gather(0, order_CE).argsort(0, descending=True, stable=True))
+    order_CE = tok_CE.argsort(dim=0, stable=True)  # token asc, then P desc, then key desc (stable passes)
+    order_CE = order_CE.gather(0, prob_CE.gather(0, order_CE).argsort(dim=0, descending=True, stable=True))
+    order_CE = order_CE.gather(0, key_CE.gather(0, order_CE).argsort(dim=0, descending=True, stable=True))
     needed_E = rounded_E - start_CE[:: 2 * tile].sum(0).long()  # rows still to take from the windows
     taken_CE = torch.arange(key_CE.shape[0], device=key_TE.device)[:, None] < needed_E[None, :]
     mine_E = (taken_CE & (owner_CE.gather(0, order_CE) == rank)).sum(0)

@@ -157,9 +157,10 @@ def test_cute_validation_other_refusals():
         check_inputs(x_TD, w1_EFD, w2_EDN, plan, b1_EF=torch.zeros(w1_EFD.shape[:2], dtype=x_TD.dtype))
 
 
-def test_triton_refuses_cpu_tensors():
+def test_triton_refuses_cpu_tensors(monkeypatch):
     from sonic.kernels.triton import experts
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter does run on the CPU
     x_TD, w1_EFD, w2_EDN, plan, _ = problem("one_token", "cpu")
     with pytest.raises(ValueError, match=r"CUDA tensors.*kernel_backend=reference"):
         experts(x_TD, w1_EFD, w2_EDN, plan)

