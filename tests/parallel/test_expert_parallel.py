@@ -155,3 +155,63 @@ def test_expert_parallel_token_rounding_plan_matches_one_process(spawned):
         order = lambda r: r[torch.argsort(r[:, 1] * 10**6 + r[:, 0])]  # noqa: E731
         torch.testing.assert_close(order(rows), order(want_rows), rtol=0, atol=1e-6, msg=f"{mode}, K={k}")
         assert (torch.bincount(rows[:, 1].long(), minlength=E) % 4 == 0).all() or mode == "up"
+
+
+TRAIN = ["model=tiny", "model.num_layers=2", "train.micro_batch_size=2", "train.seq_len=32", "train.log_every=1",
+         "train.eval_every=0", "train.progress=false", "optim.warmup_steps=0"]
+
+
+def _train_worker(rank: int, port: int, root: str) -> None:
+    """Train at ep=1 and ep=2 (6 steps, saving), then resume each run's checkpoint at the other ep."""
+    from sonic.train.trainer import train
+
+    _init(rank, 2, port)
+    losses = {}
+    for ep, steps, run in ((1, 6, "ep1"), (2, 6, "ep2"), (2, 8, "ep1"), (1, 8, "ep2")):
+        cfg = compose_config(*TRAIN, f"parallel.ep={ep}", f"train.steps={steps}", "train.save_every=6",
+                             f"train.run_dir={root}/{run}")
+        losses[(run, ep, steps)] = [(m["step"], m["loss"], m["grad_norm"]) for m in train(cfg)]
+    if rank == 0:
+        torch.save(losses, f"{root}/losses.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_expert_parallel_training_matches_fsdp_and_resumes_across_ep(tmp_path):
+    spawn_ranks(_train_worker, (free_port(), str(tmp_path)), 2, 600, "expert-parallel training")
+    losses = torch.load(tmp_path / "losses.pt", weights_only=False)
+    fsdp, ep = losses[("ep1", 1, 6)], losses[("ep2", 2, 6)]
+    assert [s for s, _, _ in ep] == list(range(1, 7))
+    for (_, a, ga), (_, b, gb) in zip(fsdp, ep):
+        assert a == pytest.approx(b, rel=1e-5) and ga == pytest.approx(gb, rel=1e-4)
+    # ep=1's checkpoint resumed at ep=2 and ep=2's at ep=1 continue alike from step 7
+    resumed_at_ep2, resumed_at_ep1 = losses[("ep1", 2, 8)], losses[("ep2", 1, 8)]
+    assert [s for s, _, _ in resumed_at_ep2] == [s for s, _, _ in resumed_at_ep1] == [7, 8]
+    for (_, a, ga), (_, b, gb) in zip(resumed_at_ep2, resumed_at_ep1):
+        assert a == pytest.approx(b, rel=1e-5) and ga == pytest.approx(gb, rel=1e-4)
+
+
+def test_expert_parallel_rejects_bad_degrees():
+    with pytest.raises(ValueError, match="parallel.ep=3 does not divide model.moe.num_experts=8"):
+        compose_config("model=tiny", "parallel.ep=3")
+    with pytest.raises(ValueError, match="parallel.ep"):
+        compose_config("parallel.ep=0")
+    from sonic.parallel import init_distributed
+
+    with pytest.raises(ValueError, match="parallel.ep=2 needs 2 processes"):
+        init_distributed(ParallelConfig(ep=2), "cpu")
+
+
+def _bad_world_worker(rank: int, port: int) -> None:
+    from sonic.parallel import init_distributed
+
+    _init(rank, 2, port)
+    try:
+        with pytest.raises(ValueError, match="parallel.ep=4 does not divide the 2 ranks"):
+            init_distributed(ParallelConfig(ep=4), "cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_degree_must_divide_the_ranks():
+    spawn_ranks(_bad_world_worker, (free_port(),), 2, 120, "expert-parallel bad degree")
