@@ -8,7 +8,7 @@ configured data (Hydra overrides as for train.py; real text by default), one ep 
 the same batches. Per ep: median step time after warm-up, tokens/s per GPU, peak memory, the
 worst layer's expert load (max/mean, so a collapsed router shows), and one profiled step's share
 of time in the all-to-all (NCCL SendRecv/AllToAll kernels on GPU; the c10d all-to-all ops on CPU,
-where the numbers only smoke-test the script). Writes bench/results/<date>-<N>x<gpu>-expert_parallel.json.
+where the numbers only smoke-test the script) and, on GPU, the memory one forward holds for backward. Writes bench/results/<date>-<N>x<gpu>-expert_parallel.json.
 """
 from __future__ import annotations
 
@@ -52,6 +52,20 @@ def comm_share(step, cuda: bool) -> dict:
     return {"wall_ms": wall_ms, "all_to_all_ms": a2a_ms, "all_to_all_share": a2a_ms / wall_ms}
 
 
+def held_for_backward(model, batch, cfg, device) -> float:
+    """MiB allocated by the forward and still held when it returns (activations kept for backward,
+    and whatever FSDP keeps gathered), less the loss; the backward then frees it."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    with autocast_context(cfg, device):
+        out = model(batch["input_ids"].to(device), None, batch["labels"].to(device))
+    torch.cuda.synchronize(device)
+    held = torch.cuda.memory_allocated(device) - before
+    (out.loss + out.router_loss).backward()
+    model.zero_grad(set_to_none=True)
+    return held / 2**20
+
+
 def run_ep(base_overrides: list[str], ep: int, args) -> dict:
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
         cfg = to_config(compose(config_name="config", overrides=[*DEFAULTS, *base_overrides, f"parallel.ep={ep}"]))
@@ -83,6 +97,7 @@ def run_ep(base_overrides: list[str], ep: int, args) -> dict:
     step()  # compiles
     first_s = time.perf_counter() - t0
     step_ms = median_ms(step, args.steps, args.warmup, cuda)
+    held_mib = held_for_backward(model, batches[0], cfg, device) if cuda else None
     profile = comm_share(step, cuda)
     load_LE = torch.stack(loads).float()
     dist.all_reduce(load_LE)
@@ -91,7 +106,7 @@ def run_ep(base_overrides: list[str], ep: int, args) -> dict:
     row = {"ep": ep, "step_ms": step_ms, "tokens_per_s_per_gpu": tokens / step_ms * 1e3,
            "mfu": tokens / step_ms * 1e3 * flops_per_token(cfg.model, t.seq_len) / peak if peak else None,
            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-           "first_step_s": first_s, "worst_load_max_over_mean": (load_LE.max(1).values / load_LE.mean(1)).max().item(),
+           "held_mib": held_mib, "first_step_s": first_s, "worst_load_max_over_mean": (load_LE.max(1).values / load_LE.mean(1)).max().item(),
            **profile}
     model = optimizer = None
     gc.collect()
@@ -116,9 +131,11 @@ def main(argv=None):
         base = rows[0]
         print(f"\n{world} x {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}: "
               f"{' '.join(DEFAULTS + args.overrides)}")
-        print(f"{'ep':>3} {'tok/s/GPU':>10} {'vs first':>8} {'peak GiB':>9} {'all-to-all':>10} {'worst load':>10}")
+        print(f"{'ep':>3} {'tok/s/GPU':>10} {'vs first':>8} {'peak GiB':>9} {'held MiB':>9} {'all-to-all':>10} "
+              f"{'worst load':>10}")
         for r in rows:
-            mem = f"{r['peak_mem_gib']:9.1f}" if r["peak_mem_gib"] is not None else f"{'-':>9}"
+            mem = (f"{r['peak_mem_gib']:9.1f} {r['held_mib']:9.0f}" if r["peak_mem_gib"] is not None
+                   else f"{'-':>9} {'-':>9}")
             print(f"{r['ep']:>3} {r['tokens_per_s_per_gpu']:>10.0f} {r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:>8.2f} "
                   f"{mem} {100 * r['all_to_all_share']:>9.1f}% {r['worst_load_max_over_mean']:>10.2f}")
         path = result_path("expert_parallel", args.json)
