@@ -14,6 +14,9 @@
 #   first_step $FIRST_STEP_MODEL (default qwen3_30b_a3b, $FIRST_STEP_LAYERS layers) to its first training
 #              step with meta-device init on every visible GPU (python -m scripts.first_step)
 #   kill_resume SIGKILL, corrupt-checkpoint and SIGUSR1 resumes of a 2-GPU job vs an uninterrupted one
+#   block      the model's MoE block (router included) vs the official sonic-moe, Table 9b configs, interleaved
+#              (python -m bench.moe_layer --block); $BLOCK_ARGS adds options (e.g. --official-configs 7B,30B --resume)
+#   fuzz       the fuzzed-shape kernel tests (tests/kernels/test_fuzz_shapes.py) for cute and triton
 #   ep         expert parallelism vs FSDP alone on every visible GPU: sonic_7b cut to $EP_LAYERS layers at
 #              ep=1,2, then $FIRST_STEP_MODEL cut to $FIRST_STEP_LAYERS at ep=2 (python -m bench.expert_parallel)
 #
@@ -71,6 +74,12 @@ run_stage() {
     kill_resume)  # eager: this is about exact resumption, not speed; --repeat measures kernel nondeterminism
       timeout "${KILL_RESUME_S:-300}" python3 scripts/kill_resume.py --device cuda --repeat --out "$OUT/kill_resume.json" -- \
         parallel.compile=false 2>&1 | tee "$OUT/kill_resume.log" | tail -25 ;;
+    block)
+      timeout "${BLOCK_S:-560}" python3 -m bench.moe_layer --block --budget-s "${BLOCK_BUDGET_S:-420}" \
+        --json "$OUT/moe_block.json" ${BLOCK_ARGS:-} 2>&1 | tee "$OUT/moe_block.log" | tail -40 ;;
+    fuzz)
+      timeout "${FUZZ_S:-400}" python3 -m pytest -q -m gpu tests/kernels/test_fuzz_shapes.py 2>&1 \
+        | tee "$OUT/fuzz.log" | tail -30 ;;
     ep)
       for job in "sonic_7b ${EP_LAYERS:-16} 1,2 4" "${FIRST_STEP_MODEL:-qwen3_30b_a3b} ${FIRST_STEP_LAYERS:-12} 2 2"; do
         set -- $job
@@ -78,7 +87,7 @@ run_stage() {
           -m bench.expert_parallel --eps "$3" --json "$OUT/expert_parallel-$1.json" model="$1" model.num_layers="$2" \
           train.micro_batch_size="$4" 2>&1 | grep -v Warning | tee "$OUT/expert_parallel-$1.log" | tail -12
       done ;;
-    *) echo "unknown stage $1 (tests | levers | e2e | kernels | sparse | tr | cute | first_step | kill_resume | ep)" >&2
+    *) echo "unknown stage $1 (tests | levers | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | fuzz | ep)" >&2
        return 2 ;;
   esac
 }

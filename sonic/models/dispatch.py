@@ -70,6 +70,9 @@ class AllToAllDispatch:
         assert num_experts % self.ranks == 0, (num_experts, self.ranks)
         self.local_experts = num_experts // self.ranks
 
+    # Eager under a compiled block: the split sizes are host ints that change every step, which
+    # dynamo would specialise on and recompile for; the kernels inside are opaque to it anyway.
+    @torch.compiler.disable
     def __call__(self, experts_fn: ExpertsFn, x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
                  b1_EF: Tensor | None, b2_ED: Tensor | None) -> Tensor:
         P, L, dev = self.ranks, self.local_experts, x_TD.device

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 # FSDP-2's per-parameter mesh (torch >= 2.13; torchtitan's EP uses the same)
 from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
 from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from sonic.models.dispatch import AllToAllDispatch
 from sonic.models.moe import MoE
@@ -58,7 +58,7 @@ def _placement_fn(shard_size: int, experts_mesh: DeviceMesh | None):
     experts_info = _get_mesh_info(experts_mesh) if experts_mesh is not None else None
 
     def placement(param: nn.Parameter) -> Shard | ShardPlacementResult | None:
-        if experts_info is not None and getattr(param, "_sonic_ep", False):
+        if experts_info is not None and isinstance(param, DTensor):  # before FSDP only EP made DTensors
             size = experts_mesh.size(experts_mesh.ndim - 1)  # the efsdp dim (after dp_replicate under HSDP)
             dim = next((d for d in range(1, param.dim()) if param.shape[d] % size == 0), None)
             if dim is None:
@@ -81,9 +81,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         for name in EXPERT_WEIGHTS:
             weight = getattr(moe, name)
             if weight is not None:
-                sharded = nn.Parameter(distribute_tensor(weight.detach(), ep_mesh, [Shard(0)], src_data_rank=None))
-                sharded._sonic_ep = True  # FSDP places it on the expert-data-parallel mesh
-                setattr(moe, name, sharded)
+                setattr(moe, name, nn.Parameter(distribute_tensor(weight.detach(), ep_mesh, [Shard(0)],
+                                                                  src_data_rank=None)))
         moe.dispatch = AllToAllDispatch(group, moe.router.num_experts)
         moe.router.ep_group = group
 

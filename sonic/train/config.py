@@ -78,6 +78,10 @@ class Config:
             raise ValueError(f"parallel.ep={self.parallel.ep} does not divide model.moe.num_experts="
                              f"{self.model.moe.num_experts}: every ep rank holds the same number of experts; "
                              f"pick a divisor of the expert count")
+        routing = self.model.moe.routing
+        if self.parallel.ep > 1 and routing.method == "token_rounding" and routing.rounding_mode == "nearest_score":
+            raise ValueError("routing.rounding_mode=nearest_score is not supported with parallel.ep > 1 (it needs "
+                             "the ep group's ranked gate sums); use nearest, stochastic or balance")
 
 
 def register_schema() -> None:

@@ -106,13 +106,36 @@ def _plans(rank: int, world: int, group) -> dict:
     return out
 
 
+def _skewed_dispatch(rank: int, world: int) -> dict:
+    """AllToAllDispatch alone, every token routed to rank 0's experts: rank 1 receives no token."""
+    from sonic.kernels import reference
+    from sonic.models.dispatch import AllToAllDispatch
+    from sonic.routing import plan_from_topk
+
+    T, D, N, E = 5, 8, 4, 2 * world
+    g = torch.Generator().manual_seed(SEED)
+    x = torch.randn(world * T, D, generator=g, dtype=torch.float64)
+    w1, w2 = torch.randn(E, 2 * N, D, generator=g, dtype=torch.float64), torch.randn(E, D, N, generator=g, dtype=torch.float64)
+    scores = torch.rand(world * T, 2, generator=g, dtype=torch.float64)
+    experts = torch.tensor([[0, 1]]).expand(world * T, 2)
+    dout = torch.randn(world * T, D, generator=g, dtype=torch.float64)
+    mine = slice(rank * T, (rank + 1) * T)
+    leaves = [t[mine].clone().requires_grad_() for t in (x, scores)] + [
+        t[2 * rank:2 * rank + 2].clone().requires_grad_() for t in (w1, w2)]
+    plan = plan_from_topk(experts[mine], leaves[1], E)
+    out = AllToAllDispatch(dist.group.WORLD, E)(reference.experts, leaves[0], leaves[2], leaves[3], plan, None, None)
+    out.backward(dout[mine])
+    return {"out": out.detach(), "grads": [t.grad for t in leaves], "inputs": (x, w1, w2, scores, experts, dout)}
+
+
 def _worker(rank: int, world: int, port: int, out_path: str) -> None:
     _init(rank, world, port)
-    results = {"grads": {}, "plans": {}}
+    results = {"grads": {}, "plans": {}, "skewed": [None] * world}
     for name, (case_world, dp_replicate, ep, cfg) in GRAD_CASES.items():
         if case_world == world:
             results["grads"][name] = _sharded_grads(rank, world, dp_replicate, ep, cfg)
     results["plans"]["world"] = _plans(rank, world, dist.group.WORLD)
+    dist.all_gather_object(results["skewed"], _skewed_dispatch(rank, world))
     if rank == 0:
         torch.save(results, out_path)
     dist.barrier()
@@ -196,6 +219,9 @@ def test_expert_parallel_rejects_bad_degrees():
         compose_config("model=tiny", "parallel.ep=3")
     with pytest.raises(ValueError, match="parallel.ep"):
         compose_config("parallel.ep=0")
+    with pytest.raises(ValueError, match="nearest_score is not supported with parallel.ep > 1"):
+        compose_config("model=tiny", "parallel.ep=2", "routing=token_rounding",
+                       "model.moe.routing.rounding_mode=nearest_score")
     from sonic.parallel import init_distributed
 
     with pytest.raises(ValueError, match="parallel.ep=2 needs 2 processes"):
@@ -215,3 +241,23 @@ def _bad_world_worker(rank: int, port: int) -> None:
 
 def test_expert_parallel_degree_must_divide_the_ranks():
     spawn_ranks(_bad_world_worker, (free_port(),), 2, 120, "expert-parallel bad degree")
+
+
+def test_expert_parallel_dispatch_with_a_rank_that_receives_nothing(spawned):
+    from sonic.kernels import reference
+    from sonic.routing import plan_from_topk
+
+    world, results = spawned
+    x, w1, w2, scores, experts, dout = results["skewed"][0]["inputs"]
+    leaves = [t.clone().requires_grad_() for t in (x, scores, w1, w2)]
+    out = reference.experts(leaves[0], leaves[2], leaves[3], plan_from_topk(experts, leaves[1], w1.shape[0]))
+    out.backward(dout)
+    T = x.shape[0] // world
+    for rank, got in enumerate(results["skewed"]):
+        torch.testing.assert_close(got["out"], out.detach()[rank * T:(rank + 1) * T])
+        gx, gs, gw1, gw2 = got["grads"]
+        torch.testing.assert_close(gx, leaves[0].grad[rank * T:(rank + 1) * T])
+        torch.testing.assert_close(gs, leaves[1].grad[rank * T:(rank + 1) * T])
+        # an expert's gradient is taken 1/world of (FSDP's average over ranks completes the mean)
+        for got_w, ref_w in ((gw1, leaves[2].grad), (gw2, leaves[3].grad)):
+            torch.testing.assert_close(got_w * world, ref_w[2 * rank:2 * rank + 2])
