@@ -114,5 +114,6 @@ class AllToAllDispatch:
         # 4. back to the source ranks; each token sums its partial outputs
         back_SD = all_to_all_single_autograd(out_UD, send_tokens, recv_tokens, self.group)
         acc = torch.promote_types(x_TD.dtype, torch.float32)
-        out_TD = torch.zeros(T, D, device=dev, dtype=acc).index_add(0, token_S, back_SD.to(acc))
+        # index_put, not index_add: index_add's backward keeps its source (S x D) alive
+        out_TD = torch.zeros(T, D, device=dev, dtype=acc).index_put((token_S,), back_SD.to(acc), accumulate=True)
         return out_TD.to(x_TD.dtype)

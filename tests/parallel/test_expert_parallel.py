@@ -123,9 +123,19 @@ def _skewed_dispatch(rank: int, world: int) -> dict:
     leaves = [t[mine].clone().requires_grad_() for t in (x, scores)] + [
         t[2 * rank:2 * rank + 2].clone().requires_grad_() for t in (w1, w2)]
     plan = plan_from_topk(experts[mine], leaves[1], E)
-    out = AllToAllDispatch(dist.group.WORLD, E)(reference.experts, leaves[0], leaves[2], leaves[3], plan, None, None)
+    saved = []  # what backward keeps: float matrices (the weights are 3-D)
+
+    def pack(t):
+        if t.is_floating_point() and t.dim() == 2:
+            saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = AllToAllDispatch(dist.group.WORLD, E)(reference.experts, leaves[0], leaves[2], leaves[3], plan,
+                                                    None, None)
     out.backward(dout[mine])
-    return {"out": out.detach(), "grads": [t.grad for t in leaves], "inputs": (x, w1, w2, scores, experts, dout)}
+    return {"out": out.detach(), "grads": [t.grad for t in leaves], "inputs": (x, w1, w2, scores, experts, dout),
+            "saved": sorted(set(saved))}
 
 
 def _worker(rank: int, world: int, port: int, out_path: str) -> None:
@@ -258,6 +268,10 @@ def test_expert_parallel_dispatch_with_a_rank_that_receives_nothing(spawned):
         gx, gs, gw1, gw2 = got["grads"]
         torch.testing.assert_close(gx, leaves[0].grad[rank * T:(rank + 1) * T])
         torch.testing.assert_close(gs, leaves[1].grad[rank * T:(rank + 1) * T])
+        # backward keeps the received tokens X (U x D) and H (Q x 2N) only: rank 0 receives every token
+        # once (U = world * T) with its 2 rows (Q = 2U); no copy sent, partial sum or Y is kept
+        U = world * T if rank == 0 else 0
+        assert got["saved"] == sorted({(U, x.shape[1]), (2 * U, w1.shape[1])}), got["saved"]
         # an expert's gradient is taken 1/world of (FSDP's average over ranks completes the mean)
         for got_w, ref_w in ((gw1, leaves[2].grad), (gw2, leaves[3].grad)):
             torch.testing.assert_close(got_w * world, ref_w[2 * rank:2 * rank + 2])
