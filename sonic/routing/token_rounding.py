@@ -135,7 +135,9 @@ def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tenso
                 raise ValueError("routing.rounding_mode=nearest_score is not supported with parallel.ep > 1; "
                                  "use nearest, stochastic or balance")
             ranks = dist.get_world_size(group)
-            topk_counts_E = _group_sum(counts_E, group)
+            summed = _group_sum(torch.cat([counts_E, counts_E.new_tensor([T])]), group)
+            topk_counts_E = summed[:E]
+            assert summed[E] == T * ranks, "token rounding under EP numbers tokens rank-major: equal T per rank"
             uniform_E = None
             if mode == "stochastic":  # the same draw on every rank of the group
                 uniform_E = _group_sum(torch.rand(E, device=probs_TE.device, dtype=torch.float64), group).frac()
