@@ -70,8 +70,8 @@ class AllToAllDispatch:
         assert num_experts % self.ranks == 0, (num_experts, self.ranks)
         self.local_experts = num_experts // self.ranks
 
-    # Eager under a compiled block: the split sizes are host ints that change every step, which
-    # dynamo would specialise on and recompile for; the kernels inside are opaque to it anyway.
+    # Eager under a compiled block: dynamo would break its graph at each host sync and collective
+    # here and recompile once on the changing split sizes, for a few small index ops.
     @torch.compiler.disable
     def __call__(self, experts_fn: ExpertsFn, x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
                  b1_EF: Tensor | None, b2_ED: Tensor | None) -> Tensor:

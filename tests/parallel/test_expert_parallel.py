@@ -204,15 +204,34 @@ def _train_worker(rank: int, port: int, root: str) -> None:
         cfg = compose_config(*TRAIN, f"parallel.ep={ep}", f"train.steps={steps}", "train.save_every=6",
                              f"train.run_dir={root}/{run}")
         losses[(run, ep, steps)] = [(m["step"], m["loss"], m["grad_norm"]) for m in train(cfg)]
+    losses["graphs"] = _compiled_graphs(rank)
     if rank == 0:
         torch.save(losses, f"{root}/losses.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
+def _compiled_graphs(rank: int) -> list[int]:
+    """Dynamo's graph count after each of 5 forward/backward steps of a compiled ep=2 model on fresh batches."""
+    from torch._dynamo.utils import counters
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    info = DistInfo(rank, 2, rank, CPU, mesh, experts_mesh=experts_mesh(mesh, 2))
+    model = build_model(MODEL, ParallelConfig(ep=2, compile=True, compile_backend="aot_eager"), info, seed=SEED)
+    graphs = []
+    for step in range(5):
+        ids = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(rank * 100 + step))
+        out = model(ids, None, ids)
+        (out.loss + out.router_loss).backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    return graphs
+
+
 def test_expert_parallel_training_matches_fsdp_and_resumes_across_ep(tmp_path):
     spawn_ranks(_train_worker, (free_port(), str(tmp_path)), 2, 600, "expert-parallel training")
     losses = torch.load(tmp_path / "losses.pt", weights_only=False)
+    # a compiled ep=2 model runs and settles: the changing split sizes compile no new graphs
+    assert losses["graphs"][0] > 0 and losses["graphs"][2:] == [losses["graphs"][1]] * 3, losses["graphs"]
     fsdp, ep = losses[("ep1", 1, 6)], losses[("ep2", 2, 6)]
     assert [s for s, _, _ in ep] == list(range(1, 7))
     for (_, a, ga), (_, b, gb) in zip(fsdp, ep):
