@@ -4,7 +4,9 @@ Against one process holding the whole batch:
   - the token-rounding plan under an ep group picks exactly the rows one process picks (ties included);
   - forward, loss and every parameter's gradient of the sharded model match, for top-K and token
     rounding, at ep=2 of 2 ranks, ep=2 of 4 (FSDP over efsdp=2), ep=4 of 4 and HSDP x ep=2;
-  - training steps give the same losses at ep=1 and ep=2, and checkpoints load across ep.
+  - the dispatch alone, with a rank that receives no token, matches and keeps only X and H for backward;
+  - training steps give the same losses at ep=1 and ep=2, checkpoints load across ep, and a
+    compiled ep=2 model compiles no new graphs as the split sizes change.
 Bad ep values give a ValueError.
 """
 from __future__ import annotations
@@ -15,12 +17,12 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from sonic.models import ModelConfig, MoEConfig, Transformer
 from sonic.parallel import DistInfo, ParallelConfig, build_model
 from sonic.parallel.distributed import experts_mesh
-from torch.distributed.device_mesh import init_device_mesh
 from sonic.routing import RoutingConfig, select_topk, token_rounding_plan
 from sonic.train.optim import clip_grad_norm
 from tests.helpers import compose_config, free_port, spawn_ranks
