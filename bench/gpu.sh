@@ -18,7 +18,8 @@
 #              (python -m bench.moe_layer --block); $BLOCK_ARGS adds options (e.g. --official-configs 7B,30B --resume)
 #   fuzz       the fuzzed-shape kernel tests (tests/kernels/test_fuzz_shapes.py) for cute and triton
 #   ep         expert parallelism vs FSDP alone on every visible GPU: sonic_7b cut to $EP_LAYERS layers at
-#              ep=1,2, then $FIRST_STEP_MODEL cut to $FIRST_STEP_LAYERS at ep=2 (python -m bench.expert_parallel)
+#              ep=1,2 on local BPE text, then $FIRST_STEP_MODEL cut to $FIRST_STEP_LAYERS at ep=2 on the
+#              embedded corpus (python -m bench.expert_parallel)
 #
 # What the GPU image lacks travels in ignored folders named in the call's `carry`:
 #   .whl   wheels: hydra-core, omegaconf, antlr4-python3-runtime (needed), liger-kernel and
@@ -80,12 +81,12 @@ run_stage() {
     fuzz)
       timeout "${FUZZ_S:-400}" python3 -m pytest -q -m gpu tests/kernels/test_fuzz_shapes.py 2>&1 \
         | tee "$OUT/fuzz.log" | tail -30 ;;
-    ep)
-      for job in "sonic_7b ${EP_LAYERS:-16} 1,2 4" "${FIRST_STEP_MODEL:-qwen3_30b_a3b} ${FIRST_STEP_LAYERS:-12} 2 2"; do
+    ep)  # the first job builds the local BPE data on a fresh machine (minutes); the second runs on the embedded corpus
+      for job in "sonic_7b ${EP_LAYERS:-16} 1,2 4 local_bpe 380" "${FIRST_STEP_MODEL:-qwen3_30b_a3b} ${FIRST_STEP_LAYERS:-12} 2 2 embedded 180"; do
         set -- $job
-        timeout "${EP_S:-280}" python3 -m torch.distributed.run --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+        timeout "$6" python3 -m torch.distributed.run --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
           -m bench.expert_parallel --eps "$3" --json "$OUT/expert_parallel-$1.json" model="$1" model.num_layers="$2" \
-          train.micro_batch_size="$4" 2>&1 | grep -v Warning | tee "$OUT/expert_parallel-$1.log" | tail -12
+          train.micro_batch_size="$4" data="$5" 2>&1 | grep -v Warning | tee "$OUT/expert_parallel-$1.log" | tail -12
       done ;;
     *) echo "unknown stage $1 (tests | levers | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | fuzz | ep)" >&2
        return 2 ;;
