@@ -85,6 +85,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def profiled(step: Callable[[], object], cuda: bool):
+    """(wall ms, torch.profiler result) of one step(), recording CUDA kernels on a GPU, CPU ops otherwise."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+    return wall_ms, prof
+
+
 def median_ms(fn: Callable[[], object], steps: int, warmup: int, cuda: bool) -> float:
     """Median milliseconds of fn() over `steps` calls after `warmup` calls (CUDA events on a GPU)."""
     times = []

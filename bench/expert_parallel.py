@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
-from bench.common import gpu_name, median_ms, result_path, write_json
+from bench.common import gpu_name, median_ms, profiled, result_path, write_json
 from sonic.data import build_loaders, build_tokenizer
 from sonic.models import flops_per_token
 from sonic.parallel import build_model, init_distributed
@@ -39,14 +39,7 @@ ALL_TO_ALL = ("sendrecv", "alltoall", "all_to_all")
 
 def comm_share(step, cuda: bool) -> dict:
     """One step under torch.profiler: wall time and the time spent in all-to-all kernels (ops on CPU)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        wall_ms = 1e3 * (time.perf_counter() - t0)
+    wall_ms, prof = profiled(step, cuda)
     spent = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
     a2a_ms = sum(spent(e) for e in prof.key_averages() if any(k in e.key.lower() for k in ALL_TO_ALL)) / 1e3
     return {"wall_ms": wall_ms, "all_to_all_ms": a2a_ms, "all_to_all_share": a2a_ms / wall_ms}

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench.common import median_ms, result_path, write_json
+from bench.common import median_ms, profiled, result_path, write_json
 from sonic.models import Transformer, flops_per_token
 from sonic.models.presets import load_preset
 from sonic.parallel import DistInfo, ParallelConfig, parallelize
@@ -107,14 +107,7 @@ def packed_doc_ids(B: int, S: int, gen: torch.Generator, device) -> torch.Tensor
 def profile_step(step, cuda: bool, top: int = 30) -> dict:
     """One step under torch.profiler: wall time, the time the GPU was busy, and the top kernels.
     Busy well under wall means the host (Python, launches) is what limits."""
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        wall_ms = 1e3 * (time.perf_counter() - t0)
+    wall_ms, prof = profiled(step, cuda)
     events = [e for e in prof.events() if (e.device_type.name == "CUDA") == cuda and e.time_range.elapsed_us() > 0]
     spans = sorted((e.time_range.start, e.time_range.end) for e in events)
     busy, end = 0.0, float("-inf")  # union of kernel intervals: overlapping streams count once
