@@ -36,7 +36,7 @@ from sonic.routing.expert_choice import expert_capacity, expert_choice_plan
 from sonic.routing.losses import switch_aux_loss, z_loss
 from sonic.routing.plan import RoutingPlan, plan_from_topk
 from sonic.routing.token_choice import count_per_expert, select_topk
-from sonic.routing.token_rounding import token_rounding_plan
+from sonic.routing.token_rounding import group_sum, token_rounding_plan
 
 
 @dataclass
@@ -55,13 +55,6 @@ torch.utils._pytree.register_dataclass(RouterOutput)
 def _recomputing() -> bool:
     """True inside a backward pass, i.e. when activation checkpointing re-runs this forward."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _sum_over(t: Tensor, group) -> Tensor:
-    # functional collective: traceable by torch.compile, and no host sync
-    from torch.distributed._functional_collectives import all_reduce
-
-    return all_reduce(t, "sum", group)
 
 
 class Router(nn.Module):
@@ -101,7 +94,7 @@ class Router(nn.Module):
         else:
             plan = plan_from_topk(topk.expert_idx_TK, topk.gates_TK, E)
         global_picks = cfg.aux_loss_scope == "global" and self.stats_group is not None
-        picks_E = _sum_over(topk_counts_E, self.stats_group) if global_picks else topk_counts_E
+        picks_E = group_sum(topk_counts_E, self.stats_group) if global_picks else topk_counts_E
         aux = switch_aux_loss(probs_TE, picks_E)
         z = z_loss(logits_TE)
         loss = cfg.aux_loss_coef * aux + cfg.z_loss_coef * z

@@ -135,12 +135,12 @@ def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tenso
                 raise ValueError("routing.rounding_mode=nearest_score is not supported with parallel.ep > 1; "
                                  "use nearest, stochastic or balance")
             ranks = dist.get_world_size(group)
-            summed = _group_sum(torch.cat([counts_E, counts_E.new_tensor([T])]), group)
+            summed = group_sum(torch.cat([counts_E, counts_E.new_tensor([T])]), group)
             topk_counts_E = summed[:E]
             assert summed[E] == T * ranks, "token rounding under EP numbers tokens rank-major: equal T per rank"
             uniform_E = None
             if mode == "stochastic":  # the same draw on every rank of the group
-                uniform_E = _group_sum(torch.rand(E, device=probs_TE.device, dtype=torch.float64), group).frac()
+                uniform_E = group_sum(torch.rand(E, device=probs_TE.device, dtype=torch.float64), group).frac()
             rounded_E = round_counts(topk_counts_E, tile, mode, T * ranks, residual_E=residual_E, uniform_E=uniform_E)
             key_TE = torch.where(is_topk_TE, gate_TE.detach(), probs_TE.detach() - 1)
             keep_E = _keep_counts(order_TE, key_TE, probs_TE.detach(), counts_E, rounded_E, tile, group)
@@ -151,10 +151,11 @@ def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tenso
     return RoundedPlan(plan, topk_counts_E, rounded_E)
 
 
-def _group_sum(t: Tensor, group: dist.ProcessGroup) -> Tensor:
-    t = t.clone()
-    dist.all_reduce(t, group=group)
-    return t
+def group_sum(t: Tensor, group) -> Tensor:
+    """t summed over a process group; a functional collective: traceable by torch.compile, no host sync."""
+    from torch.distributed._functional_collectives import all_reduce
+
+    return all_reduce(t, "sum", group)
 
 
 def _keep_counts(order_TE: Tensor, key_TE: Tensor, probs_TE: Tensor, counts_E: Tensor, rounded_E: Tensor,
