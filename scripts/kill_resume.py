@@ -45,6 +45,7 @@ from sonic.models.loading import complete_checkpoints  # noqa: E402
 CURVE = ("loss", "aux_loss", "z_loss", "grad_norm", "lr", "skipped_steps")
 FOREVER = 1_000_000  # train.steps of the runs that get interrupted
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
+LOG_TAIL = 100  # lines of a failed job's output kept in the JSON and printed (torchrun adds ~40 of its own)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -137,6 +138,8 @@ def metrics(run_dir: Path) -> dict[int, dict]:
 
 def run_job(args: argparse.Namespace, run_dir: Path, interrupt: str | None = None) -> dict:
     """One torchrun job: to the end (interrupt=None), or interrupted by 'sigkill' / 'sigusr1'."""
+    log = run_dir / "stdout.log"
+    start = log.stat().st_size if log.exists() else 0  # this job's output starts here (the log is appended to)
     proc = torchrun(args, run_dir, FOREVER if interrupt else args.steps)
     deadline = time.monotonic() + args.timeout
     info: dict = {}
@@ -160,6 +163,10 @@ def run_job(args: argparse.Namespace, run_dir: Path, interrupt: str | None = Non
     info["returncode"] = proc.returncode
     if interrupt and "error" not in info and not info.get("signalled"):
         info["error"] = f"the job ended (exit code {proc.returncode}) before it was interrupted"
+    if "error" in info or (not interrupt and proc.returncode != 0):  # what a failure printed, to read in the JSON
+        with log.open("rb") as f:
+            f.seek(start)
+            info["log_tail"] = f.read().decode(errors="replace").splitlines()[-LOG_TAIL:]
     return info
 
 
@@ -253,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
               "gpus": [torch.cuda.get_device_name(i) for i in range(args.nproc)] if args.device == "cuda" else [],
               "torch": torch.__version__, "steps": args.steps, "save_every": args.save_every,
               "overrides": overrides(args), "workdir": str(work), "tolerance": args.tolerance,
-              "wall_s": round(time.monotonic() - start, 1), "scenarios": scenarios,
+              "wall_s": round(time.monotonic() - start, 1), "reference": ran["reference"], "scenarios": scenarios,
               "ok": all(s["ok"] for s in scenarios.values())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -266,6 +273,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<9} {str(s['resumed_from']):>12} {','.join(s['set_aside']) or '-':<22} "
               f"{s['steps_bit_exact']:>7}/{s['steps_compared']:<7} {s['max_abs_diff']:>10.3g}  "
               f"{'ok' if s['ok'] else 'FAILED: ' + '; '.join(failed)}")
+    failed_jobs = [("reference", ran["reference"])] + [(f"{name} {phase}", s[phase]) for name, s in scenarios.items()
+                                                       for phase in ("interruption", "resume")]
+    for what, job in failed_jobs:
+        if "log_tail" in job:
+            print(f"\n{what} failed; the end of its output:\n  " + "\n  ".join(job["log_tail"]))
     print(f"{'all ok' if result['ok'] else 'FAILED'}; JSON in {args.out}")
     return result
 

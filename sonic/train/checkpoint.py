@@ -29,6 +29,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import warnings
 from pathlib import Path
 from typing import Any
@@ -188,7 +189,9 @@ def _failure(err: BaseException | None) -> tuple[int | None, str] | None:
 def check_run_dir(run_dir: Path) -> None:
     """Fail at start-up, on every rank, if `run_dir` cannot be created or written."""
     failure = None
-    probe = run_dir / f".write_test_rank{_rank()}"
+    # Named per process, not per rank: Hydra's callback runs this before init_process_group, when
+    # every rank is rank 0, and two ranks sharing one probe could delete each other's.
+    probe = run_dir / f".write_test.{socket.gethostname()}.{os.getpid()}"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"sonic")

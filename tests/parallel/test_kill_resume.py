@@ -54,3 +54,12 @@ def test_compare_finds_a_one_ulp_difference_and_a_missing_step():
     exact, worst = kill_resume.compare(ref, {1: dict(ref[1]), 2: {"loss": 2.0000000000000004}}, 2)
     assert exact == 1 and 0 < worst < 1e-15
     assert kill_resume.compare(ref, {1: dict(ref[1])}, 2)[1] == float("inf")
+
+
+def test_a_failed_job_keeps_the_end_of_its_output(tmp_path):
+    args = kill_resume.parse_args(["--out", str(tmp_path / "r.json"), "--timeout", "120", "--", "model.moe.top_k=99"])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "stdout.log").write_text("an earlier job's output\n")
+    job = kill_resume.run_job(args, tmp_path / "run")
+    assert job["returncode"] != 0 and "top_k" in "\n".join(job["log_tail"]), job
+    assert "an earlier job's output" not in job["log_tail"] and len(job["log_tail"]) <= kill_resume.LOG_TAIL

@@ -7,6 +7,8 @@ import json
 import logging
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -170,3 +172,20 @@ def test_an_unwritable_run_dir_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"train.run_dir='.*a_file/run' cannot be written \(.*NotADirectoryError"
                                          r".*set train.run_dir to a writable directory"):
         check_run_dir(tmp_path / "a_file" / "run")
+
+
+def test_ranks_checking_one_run_dir_before_init_process_group_do_not_collide(tmp_path, monkeypatch):
+    """Hydra's callback checks the run directory on every rank before init_process_group, when each
+    rank calls itself rank 0: another rank's whole check, run between this one's probe write and
+    unlink, must not delete this one's probe (it did: a resumed torchrun job failed to start)."""
+    other = [sys.executable, "-c", f"from pathlib import Path; from sonic.train.checkpoint import check_run_dir; "
+                                   f"check_run_dir(Path({str(tmp_path)!r}))"]
+    unlink = pathlib.Path.unlink
+
+    def other_rank_checks_first(self, *args, **kwargs):
+        subprocess.run(other, check=True, cwd=pathlib.Path(__file__).parents[2])
+        return unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", other_rank_checks_first)
+    check_run_dir(tmp_path)
+    assert not list(tmp_path.iterdir())  # both probes gone
