@@ -10,13 +10,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sonic import compat
 from sonic.kernels.swiglu import swiglu
 from sonic.routing.plan import RoutingPlan
 
 
 def unavailable_reason(device: torch.device) -> str | None:
-    if not hasattr(torch, "_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._grouped_mm (needs >= 2.8)"
+    lacking = compat.missing("grouped_mm")
+    if lacking is not None:
+        return f"torch {torch.__version__} has no {lacking} (needs >= 2.8)"
     device = torch.device(device)
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -30,11 +32,11 @@ def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
     tok = plan.token_idx_R.long()
     ends_E = plan.expert_offsets_E1[1:]  # _grouped_mm takes each group's end row
     x_RD = x_TD[tok]  # materialised gather
-    h_RF = torch._grouped_mm(x_RD, w1_EFD.transpose(-2, -1), offs=ends_E)
+    h_RF = compat.grouped_mm(x_RD, w1_EFD.transpose(-2, -1), ends_E)
     if b1_EF is not None:  # biases gathered in fp32 so that their gradient sums in fp32
         h_RF = (h_RF.float() + b1_EF.float()[plan.expert_idx_R.long()]).to(x_TD.dtype)
     a_RN = swiglu(h_RF).to(x_TD.dtype)
-    y_RD = torch._grouped_mm(a_RN, w2_EDN.transpose(-2, -1), offs=ends_E)
+    y_RD = compat.grouped_mm(a_RN, w2_EDN.transpose(-2, -1), ends_E)
     if b2_ED is not None:
         y_RD = (y_RD.float() + b2_ED.float()[plan.expert_idx_R.long()]).to(x_TD.dtype)
     weighted_RD = (y_RD.float() * plan.scores_R.float()[:, None]).to(x_TD.dtype)

@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor
 
+from sonic import compat
 from sonic.kernels import ExpertsFn, reference
 from sonic.routing.plan import RoutingPlan, build_plan
 
@@ -96,8 +96,8 @@ class AllToAllDispatch:
         token_S = sent_PT.nonzero()[:, 1]
 
         # 2. exchange tokens, gates and the rows' (slot, local expert)
-        x_UD = all_to_all_single_autograd(x_TD.index_select(0, token_S), recv_tokens, send_tokens, self.group)
-        scores_Q = all_to_all_single_autograd(plan.scores_R, recv_rows, send_rows, self.group)
+        x_UD = compat.all_to_all_single_autograd(x_TD.index_select(0, token_S), recv_tokens, send_tokens, self.group)
+        scores_Q = compat.all_to_all_single_autograd(plan.scores_R, recv_rows, send_rows, self.group)
         meta_R2 = torch.stack([slot_PT[dest_R, token_R], expert_R - dest_R * L], 1).to(torch.int32)
         meta_Q2 = meta_R2.new_empty(sum(recv_rows), 2)
         dist.all_to_all_single(meta_Q2, meta_R2, recv_rows, send_rows, group=self.group)
@@ -112,7 +112,7 @@ class AllToAllDispatch:
         out_UD = run(x_UD, w1_LFD, w2_LDN, local_plan, b1_LF, b2_LD)
 
         # 4. back to the source ranks; each token sums its partial outputs
-        back_SD = all_to_all_single_autograd(out_UD, send_tokens, recv_tokens, self.group)
+        back_SD = compat.all_to_all_single_autograd(out_UD, send_tokens, recv_tokens, self.group)
         acc = torch.promote_types(x_TD.dtype, torch.float32)
         # index_put, not index_add: index_add's backward keeps its source (S x D) alive
         out_TD = torch.zeros(T, D, device=dev, dtype=acc).index_put((token_S,), back_SD.to(acc), accumulate=True)

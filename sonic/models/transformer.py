@@ -11,10 +11,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.utils._pytree
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from sonic import compat
 from sonic.models.attention import AttentionCore, build_attention_core
 from sonic.models.config import ModelConfig
 from sonic.models.layers import Attention, RMSNorm, Rotary, SwiGLUMLP, compute_dtype
@@ -31,8 +31,7 @@ class ModelOutput:
     routed: list[RouterOutput]  # per MoE layer, for load statistics and the expert bias
 
 
-# A pytree, so FSDP, compile and autograd utilities see the tensors inside.
-torch.utils._pytree.register_dataclass(ModelOutput)
+compat.register_pytree_dataclass(ModelOutput)  # so FSDP, compile and autograd see the tensors inside
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, attn_core: AttentionCore):

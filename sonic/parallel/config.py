@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sonic import compat
+
 AC_MODES = ("none", "full", "selective")
 PARAM_DTYPES = ("bf16", "fp32")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -31,6 +33,8 @@ class ParallelConfig:
         for name in ("dp_replicate", "ep", "ac_every"):
             if isinstance(getattr(self, name), bool) or getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)!r} must be an integer >= 1")
+        if self.ep > 1:
+            compat.require("expert_parallel", f"parallel.ep={self.ep}")
         if self.compile_backend not in COMPILE_BACKENDS:
             raise ValueError(f"parallel.compile_backend={self.compile_backend!r} is not one of "
                              f"{', '.join(COMPILE_BACKENDS)}")

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from sonic import compat
 from sonic.parallel.config import ParallelConfig
 
 REDUCE_OPS = ("sum", "mean", "max")
@@ -100,7 +101,7 @@ def experts_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh | None:
     group is adjacent ranks (one node); efsdp are the ranks that hold the same experts."""
     if ep == 1:
         return None
-    return mesh._unflatten("dp_shard", (mesh["dp_shard"].size() // ep, ep), ("efsdp", "ep"))
+    return compat.unflatten_mesh(mesh, "dp_shard", (mesh["dp_shard"].size() // ep, ep), ("efsdp", "ep"))
 
 
 def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -26,14 +26,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-# FSDP-2's per-parameter mesh (torch >= 2.13; torchtitan's EP uses the same)
-from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from sonic import compat
 from sonic.models.dispatch import AllToAllDispatch
 from sonic.models.moe import MoE
 from sonic.parallel.config import ParallelConfig
@@ -55,16 +52,16 @@ def _placement_fn(shard_size: int, experts_mesh: DeviceMesh | None):
     """FSDP's placement per parameter. Under EP (experts_mesh set) the ep-sharded expert weights go
     to FSDP over experts_mesh, on the first of dims 1.. that it divides: dim 0 is already split
     by expert, and FSDP splitting it again would need strided shards."""
-    experts_info = _get_mesh_info(experts_mesh) if experts_mesh is not None else None
+    on_experts_mesh = compat.fsdp_mesh_placement(experts_mesh) if experts_mesh is not None else None
 
-    def placement(param: nn.Parameter) -> Shard | ShardPlacementResult | None:
-        if experts_info is not None and isinstance(param, DTensor):  # before FSDP only EP made DTensors
+    def placement(param: nn.Parameter):
+        if on_experts_mesh is not None and isinstance(param, DTensor):  # before FSDP only EP made DTensors
             size = experts_mesh.size(experts_mesh.ndim - 1)  # the efsdp dim (after dp_replicate under HSDP)
             dim = next((d for d in range(1, param.dim()) if param.shape[d] % size == 0), None)
             if dim is None:
                 raise ValueError(f"no dim of an expert weight {tuple(param.shape)} divides the {size} ranks "
                                  f"that share its experts (world / dp_replicate / ep); raise parallel.ep")
-            return ShardPlacementResult(placement=Shard(dim), mesh_info=experts_info)
+            return on_experts_mesh(Shard(dim))
         if param.dim() < 3:  # only stacked expert weights; the rest is small or evenly split
             return None
         dim = expert_shard_dim(param.shape, shard_size)
@@ -106,7 +103,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, info: DistInfo) -> nn.Mod
         if compile_blocks:
             block.compile(backend=cfg.compile_backend)
         if checkpointed(i, cfg):
-            block = checkpoint_wrapper(block, preserve_rng_state=True)
+            block = compat.checkpoint_wrapper(block, preserve_rng_state=True)
         layers[i] = block
     if info.mesh is None:
         return model

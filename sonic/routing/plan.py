@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.utils._pytree
 from torch import Tensor
+
+from sonic import compat
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,7 @@ class RoutingPlan:
                            self.token_offsets_T1, self.rows_by_token_R)
 
 
-# A pytree, so FSDP, compile and autograd utilities see the tensors inside.
-torch.utils._pytree.register_dataclass(RoutingPlan)
+compat.register_pytree_dataclass(RoutingPlan)  # so FSDP, compile and autograd see the tensors inside
 
 def _offsets(sorted_ids: Tensor, num_ids: int) -> Tensor:
     """Segment offsets (num_ids + 1, int32) of a non-decreasing id sequence.

@@ -27,10 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.utils._pytree
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sonic import compat
 from sonic.routing.config import RoutingConfig
 from sonic.routing.expert_choice import expert_capacity, expert_choice_plan
 from sonic.routing.losses import switch_aux_loss, z_loss
@@ -49,12 +49,12 @@ class RouterOutput:
     topk_counts_E: Tensor | None = None  # token-choice top-K picks per expert (before any rounding)
 
 
-# A pytree, so FSDP, compile and autograd utilities see the tensors inside.
-torch.utils._pytree.register_dataclass(RouterOutput)
+compat.register_pytree_dataclass(RouterOutput)  # so FSDP, compile and autograd see the tensors inside
+
 
 def _recomputing() -> bool:
     """True inside a backward pass, i.e. when activation checkpointing re-runs this forward."""
-    return torch._C._current_graph_task_id() != -1
+    return compat.in_backward()
 
 
 class Router(nn.Module):

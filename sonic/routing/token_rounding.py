@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from sonic import compat
 from sonic.routing.plan import RoutingPlan, build_plan
 
 
@@ -153,9 +154,7 @@ def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tenso
 
 def group_sum(t: Tensor, group) -> Tensor:
     """t summed over a process group; a functional collective: traceable by torch.compile, no host sync."""
-    from torch.distributed._functional_collectives import all_reduce
-
-    return all_reduce(t, "sum", group)
+    return compat.functional_all_reduce(t, "sum", group)
 
 
 def _keep_counts(order_TE: Tensor, key_TE: Tensor, probs_TE: Tensor, counts_E: Tensor, rounded_E: Tensor,

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from sonic import compat
 from sonic.models.loading import complete_checkpoints
 
 log = logging.getLogger("sonic")
@@ -154,7 +155,7 @@ def all_finite(tensors) -> bool:
     bad = torch.zeros(1, device=local[0].device)
     nonempty = [t for t in local if t.numel()]
     if nonempty:  # max |x|: propagates NaN and, unlike a 2-norm, cannot overflow on finite values
-        bad += (~torch.stack(torch._foreach_norm(nonempty, float("inf"))).isfinite()).any()
+        bad += (~torch.stack(compat.foreach_max_abs(nonempty)).isfinite()).any()
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return not bad.item()

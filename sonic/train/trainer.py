@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from sonic import compat
 from sonic.data import build_loaders, build_tokenizer
 from sonic.kernels import resolve_backend
 from sonic.models import Transformer, flops_per_token, param_counts
@@ -74,6 +75,7 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
     lm-eval tasks; train.py passes eval.run_lm_eval (entry points sit above sonic/).
     """
     t = cfg.train
+    compat.check_torch()
     info = init_distributed(cfg.parallel, t.device)
     device = info.device
     run_dir = Path(t.run_dir)
