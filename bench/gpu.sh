@@ -3,6 +3,9 @@
 #   bash bench/gpu.sh STAGE [STAGE ...]          (from the repo root on the GPU machine)
 #
 # Stages (each writes its log, and its JSON where it has one, under $OUT):
+#   smoke      what every change to sonic/ is proven with: every GPU test, then the trainer on sonic_7b cut to
+#              16 layers for 30 steps per kernel backend (python -m bench.smoke; $SONIC_COMMIT names the commit
+#              when the machine has no .git); writes bench/results/<date>-<gpu>-smoke.json
 #   tests      every GPU test (pytest $TESTS -m gpu; TESTS defaults to tests)
 #   levers     per-lever step throughput, sonic_7b cut to $LAYERS layers (python -m bench.levers)
 #   e2e        the 40-layer sonic_7b with the real trainer on the local BPE data, on every visible GPU
@@ -41,6 +44,8 @@ log() { echo "[$(date +%T)] $*" | tee -a "$OUT/steps.log"; }
 
 run_stage() {
   case "$1" in
+    smoke)
+      timeout "${SMOKE_S:-560}" python3 -m bench.smoke ${SMOKE_ARGS:-} 2>&1 | tee "$OUT/smoke.log" | tail -30 ;;
     tests)
       timeout "${TESTS_S:-400}" python3 -m pytest ${TESTS:-tests} -m gpu -q -rfE -p no:cacheprovider 2>&1 | tail -60 \
         | tee "$OUT/gpu_tests.log" ;;
@@ -88,7 +93,7 @@ run_stage() {
           -m bench.expert_parallel --eps "$3" --json "$OUT/expert_parallel-$1.json" model="$1" model.num_layers="$2" \
           train.micro_batch_size="$4" data="$5" 2>&1 | grep -v Warning | tee "$OUT/expert_parallel-$1.log" | tail -12
       done ;;
-    *) echo "unknown stage $1 (tests | levers | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | fuzz | ep)" >&2
+    *) echo "unknown stage $1 (smoke | tests | levers | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | fuzz | ep)" >&2
        return 2 ;;
   esac
 }
