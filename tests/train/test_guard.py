@@ -26,7 +26,7 @@ def tiny() -> Transformer:
 def backward(model, seed: int, poison: bool = False) -> torch.Tensor:
     """Gradients of a fixed batch; poison=True puts a NaN in one gradient. Returns the clipped norm."""
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(seed))
-    out = model(tokens)
+    out = model(tokens.to(next(model.parameters()).device))
     (out.logits_BSV.square().mean() + out.router_loss).backward()
     if poison:
         next(model.parameters()).grad.view(-1)[3] = float("nan")
