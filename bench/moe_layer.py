@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import importlib
 import json
 import statistics
 import time
@@ -111,7 +110,7 @@ def torch_route(logits_TE, K, E):
 
 def sonic_layer(name: str, p: Problem):
     """(layer() -> out, experts(plan) -> out, leaves) for a registered backend."""
-    experts = importlib.import_module(BACKENDS[name]).experts
+    experts = BACKENDS.load(name).experts
     T, d, n, E, K = p.shape
     if name == "triton":
         from sonic.kernels.triton.routing import route_topk
@@ -237,7 +236,7 @@ def backend_names(requested: str | None, device: str) -> list[str]:
         if name not in BACKENDS:
             raise ValueError(f"unknown backend {name!r}; registered: {', '.join(BACKENDS)}")
         try:
-            reason = importlib.import_module(BACKENDS[name]).unavailable_reason(torch.device(device))
+            reason = BACKENDS.load(name).unavailable_reason(torch.device(device))
         except Exception as err:  # noqa: BLE001 - a backend under construction must not stop the run
             reason = f"{type(err).__name__}: {err}"
         if reason is None:
@@ -261,7 +260,7 @@ def run_config(name, shape, backends, official, run_official, args) -> dict:
             t0 = time.time()
             if kind == "sonic":
                 layer, leaves = sonic_layer(bname, p)
-                mod = importlib.import_module(BACKENDS[bname])
+                mod = BACKENDS.load(bname)
                 rec["check"] = check_sonic(mod.experts, p, plan, ref)
             else:
                 layer, moe, leaves = official_layer(official, p)
@@ -305,7 +304,7 @@ def sparse_sweep(backends, args) -> list[dict]:
         counts = plans["rounded"].counts_E()
         assert bool(((counts % tile == 0) | (counts == T)).all()), "token rounding left a partial tile"
         for bname in backends:
-            experts = importlib.import_module(BACKENDS[bname]).experts
+            experts = BACKENDS.load(bname).experts
             rec = {"E": E, "backend": bname}
             for pname, plan in plans.items():
                 run_f = lambda plan=plan: experts(p.x, p.w1, p.w2, plan)  # noqa: E731

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -61,7 +60,7 @@ def measure_bytes(T: int, d: int, n: int, E: int, K: int, backends=BACKENDS) -> 
     x, w1, w2, plan = random_problem(T, d, n, E, K, torch.bfloat16)
     result = {"plan": plan.nbytes}
     for name in backends:
-        experts = importlib.import_module(REGISTRY[name]).experts
+        experts = REGISTRY.load(name).experts
         nbytes, out = saved_tensor_bytes(lambda: experts(x, w1, w2, plan), (w1, w2))
         result[name] = nbytes
         del out

@@ -1,8 +1,11 @@
 """Expert computation: `experts(x_TD, w1_EFD, w2_EDN, plan) -> out_TD` for several backends.
 
+Backends are one Registry (sonic/registry.py), chosen here and only here by model.moe.kernel_backend.
 Every backend module exposes `experts(...)` with the reference semantics and
-`unavailable_reason(device) -> str | None`, and sets `SUPPORTS_BIAS = False` if it cannot
-take expert biases. Backends are chosen here and only here.
+`unavailable_reason(device) -> str | None`, and sets `SUPPORTS_BIAS = False` if it cannot take expert
+biases. The SonicMoE backends (reference, triton, cute) also expose `forward` and `backward`: their
+`experts` runs as the sonic::experts custom op (sonic/kernels/op.py), one op that torch.compile keeps
+in its graph, saving only X, H and the plan.
 
 | name       | what                                                           |
 |------------|----------------------------------------------------------------|
@@ -22,28 +25,27 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from sonic.registry import Entry, Registry
 from sonic.routing.plan import RoutingPlan
 
-BACKENDS = {
-    "reference": "sonic.kernels.reference",
-    "triton": "sonic.kernels.triton",
-    "cute": "sonic.kernels.cute",
-    "naive": "sonic.kernels.naive",
-    "grouped_mm": "sonic.kernels.grouped_mm",
-}
+BACKENDS = Registry("model.moe.kernel_backend", [
+    Entry("reference", "sonic.kernels.reference"),
+    Entry("triton", "sonic.kernels.triton", package="triton", extra="triton (the 'gpu' extra)"),
+    Entry("cute", "sonic.kernels.cute", package="cutlass", extra="'nvidia-cutlass-dsl>=4.8' (the 'gpu' extra)"),
+    Entry("naive", "sonic.kernels.naive"),
+    Entry("grouped_mm", "sonic.kernels.grouped_mm"),
+])
 AUTO_ORDER = ("cute", "triton", "reference")
 
 ExpertsFn = Callable[..., Tensor]
 
 
 def _why_unavailable(name: str, device: torch.device, bias: bool) -> str | None:
-    try:
-        module = importlib.import_module(BACKENDS[name])
-    except ImportError as err:  # the backend's optional dependency is missing
-        return f"cannot import {BACKENDS[name]} ({err}); install the 'gpu' extra"
+    # every backend module imports without its optional package, so the device's reason comes first
+    module = importlib.import_module(BACKENDS.entries[name].target)
     if bias and not getattr(module, "SUPPORTS_BIAS", True):
         return "it has no expert-bias kernels (model.moe.expert_bias=true)"
-    return module.unavailable_reason(device)
+    return module.unavailable_reason(device) or BACKENDS.missing(name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,8 +56,7 @@ def resolve_backend(name: str, device: torch.device, bias: bool = False) -> str:
             if _why_unavailable(candidate, device, bias) is None:
                 return candidate
         raise AssertionError("the reference backend runs everywhere")
-    if name not in BACKENDS:
-        raise ValueError(f"unknown kernel_backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
+    BACKENDS.check(name, ("auto",))
     reason = _why_unavailable(name, device, bias)
     if reason is not None:
         raise ValueError(f"kernel_backend {name!r} cannot run on {device}: {reason}. "
@@ -64,7 +65,7 @@ def resolve_backend(name: str, device: torch.device, bias: bool = False) -> str:
 
 
 def get_experts_fn(name: str, device: torch.device, bias: bool = False) -> ExpertsFn:
-    return importlib.import_module(BACKENDS[resolve_backend(name, torch.device(device), bias)]).experts
+    return BACKENDS.load(resolve_backend(name, torch.device(device), bias)).experts
 
 
 def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,

@@ -16,7 +16,6 @@ Run on the GPU machine with: PYTHONPATH=. python -m pytest tests/kernels/test_fu
 """
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
@@ -191,7 +190,7 @@ def test_backend_matches_or_refuses(backend, name, request):
     if backend == "triton":
         request.getfixturevalue("triton_device")  # skips where triton cannot run
         request.getfixturevalue("poison")
-    fn = importlib.import_module(BACKENDS[backend]).experts
+    fn = BACKENDS.load(backend).experts
     device = torch.device("cuda")
     _, D, N, *_ = SHAPES[name]
     why = refusal(backend, D, N)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import sonic.kernels as kernels
+from sonic.registry import Entry
 
 CPU = torch.device("cpu")
 
@@ -18,7 +19,7 @@ def fake_backends(monkeypatch):
         module.experts = lambda *args, _name=name: _name
         module.SUPPORTS_BIAS = supports_bias
         monkeypatch.setitem(sys.modules, f"fake_{name}", module)
-        monkeypatch.setitem(kernels.BACKENDS, name, f"fake_{name}")
+        monkeypatch.setitem(kernels.BACKENDS.entries, name, Entry(name, f"fake_{name}"))
     monkeypatch.setattr(kernels, "AUTO_ORDER", ("fast_nobias", "fast_bias", "reference"))
     kernels.resolve_backend.cache_clear()
     yield
@@ -37,5 +38,5 @@ def test_explicit_backend_without_bias_support_names_the_reason(fake_backends):
 
 def test_auto_on_cpu_is_the_reference_and_unknown_names_fail():
     assert kernels.resolve_backend("auto", CPU) == "reference"
-    with pytest.raises(ValueError, match="unknown kernel_backend 'nope'"):
+    with pytest.raises(ValueError, match="model.moe.kernel_backend='nope' is not one of auto, reference"):
         kernels.resolve_backend("nope", CPU)
