@@ -39,3 +39,37 @@ def spawn_ranks(worker, args: tuple, nprocs: int, timeout_s: float, what: str) -
             for proc in workers.processes:
                 proc.kill()
             pytest.fail(f"the {what} worker processes did not finish within {timeout_s:.0f} s")
+
+
+def patch_triton_interpreter() -> None:
+    """Let Triton's CPU interpreter (TRITON_INTERPRET=1) take int() of 1-element arrays under numpy >= 2.4."""
+    import numpy as np
+    import triton.runtime.interpreter as interp
+
+    if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
+        orig = interp._patch_lang_tensor
+
+        def patched(tensor, scope):
+            orig(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        interp._patch_lang_tensor = patched
+
+
+def run_in_triton_interpreter(call: str, marker: str, timeout_s: float = 600) -> None:
+    """Run `call` (Python, e.g. "import tests.x as t; t.main()") in a subprocess under TRITON_INTERPRET=1 and
+    fail unless it printed `marker`; skip where Triton is not installed."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", call], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert proc.returncode == 0 and marker in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

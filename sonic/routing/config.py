@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("topk", "token_rounding", "expert_choice")
+from sonic.routing.backends import ROUTING_BACKENDS, ROUTING_METHODS
+
 ORDERS = ("topk_softmax", "softmax_topk")
 ROUNDING_MODES = ("nearest", "stochastic", "nearest_score", "balance", "up", "down")
 AUX_SCOPES = ("global", "local")
@@ -11,6 +12,7 @@ AUX_SCOPES = ("global", "local")
 
 @dataclass
 class RoutingConfig:
+    backend: str = "auto"  # auto (triton on a CUDA GPU, else torch) | torch | triton: sonic/routing/backends.py
     method: str = "topk"  # topk | token_rounding (training only; eval uses topk) | expert_choice
     order: str = "topk_softmax"  # topk_softmax: softmax over the K picked logits | softmax_topk
     renormalize: bool = False  # softmax_topk only: rescale the K picked probabilities to sum to 1
@@ -23,7 +25,9 @@ class RoutingConfig:
     bias_update_rate: float = 0.0  # aux-loss-free expert bias (DeepSeek-V3); 0 disables it
 
     def __post_init__(self):
-        for field, value, allowed in (("method", self.method, METHODS), ("order", self.order, ORDERS),
+        ROUTING_BACKENDS.check(self.backend, ("auto",))
+        ROUTING_METHODS.check(self.method)
+        for field, value, allowed in (("order", self.order, ORDERS),
                                       ("rounding_mode", self.rounding_mode, ROUNDING_MODES),
                                       ("aux_loss_scope", self.aux_loss_scope, AUX_SCOPES)):
             if value not in allowed:

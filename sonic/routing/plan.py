@@ -11,11 +11,20 @@ that the aggregation is a deterministic per-token gather-sum without atomics.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from sonic import compat
+
+
+class TopK(NamedTuple):
+    """Token choice before any plan: what every routing backend's select_topk returns."""
+    expert_idx_TK: Tensor  # int64: each token's K distinct experts
+    gates_TK: Tensor  # differentiable gate of each pick (fp32)
+    probsum_E: Tensor  # differentiable: the full softmax summed over the tokens (the aux loss's P_e, times T)
+    lse_T: Tensor  # differentiable: logsumexp of each token's logits (the z-loss's)
 
 
 @dataclass(frozen=True)

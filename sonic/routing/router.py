@@ -3,14 +3,18 @@
 Legend: T tokens, D hidden, E experts, K top-k.
 
 The router GEMM runs in the compute dtype (bf16 under autocast) on the same X the experts read,
-so it keeps no fp32 copy of X for backward; softmax, top-K and the losses run in fp32 (fp64 for
-fp64 inputs). With routing.aux_loss_scope=global (the default) the load-balancing loss counts the
-picks of the whole data-parallel batch, over `stats_group` (sonic/parallel sets it), as Megatron's
-global-batch aux loss does: one rank's few thousand tokens are a noisy load estimate. Methods:
-  topk            token choice (sonic/routing/token_choice.py)
-  token_rounding  token choice with tile-rounded expert counts in training mode; plain
-                  top-K in eval mode (sonic/routing/token_rounding.py)
-  expert_choice   each expert takes its top-capacity tokens (sonic/routing/expert_choice.py)
+so it keeps no fp32 copy of X for backward; the selection, the softmax statistics and the losses
+run in fp32 (fp64 for fp64 inputs). Two choices, each a registry (one config field, no `if` here):
+  routing.backend  how top-K and the plan are computed (sonic/routing/backends.py): torch, or the
+                   fused triton kernels
+  routing.method   what is routed (ROUTING_METHODS, same file):
+    topk            token choice (sonic/routing/token_choice.py)
+    token_rounding  token choice with tile-rounded expert counts in training mode; plain
+                    top-K in eval mode (sonic/routing/token_rounding.py)
+    expert_choice   each expert takes its top-capacity tokens (sonic/routing/expert_choice.py)
+With routing.aux_loss_scope=global (the default) the load-balancing loss counts the picks of the
+whole data-parallel batch, over `stats_group` (set by the MoE block's `set_process_groups`), as
+Megatron's global-batch aux loss does: one rank's few thousand tokens are a noisy load estimate.
 
 State (persistent buffers, so a checkpoint resumes routing exactly):
   expert_bias_E          aux-loss-free bias (DeepSeek-V3): added to the logits for the top-K
@@ -31,13 +35,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sonic import compat
+from sonic.routing.backends import ROUTING_METHODS, routing_backend
 from sonic.routing.config import RoutingConfig
-from sonic.routing.expert_choice import expert_capacity, expert_choice_plan
 from sonic.routing.losses import switch_aux_loss, z_loss
-from sonic.routing.plan import RoutingPlan, plan_from_topk
-from sonic.routing.token_choice import count_per_expert, select_topk
-from sonic.routing.token_rounding import group_sum, token_rounding_plan
-
+from sonic.routing.token_rounding import group_sum
 
 @dataclass
 class RouterOutput:
@@ -52,11 +53,6 @@ class RouterOutput:
 compat.register_pytree_dataclass(RouterOutput)  # so FSDP, compile and autograd see the tensors inside
 
 
-def _recomputing() -> bool:
-    """True inside a backward pass, i.e. when activation checkpointing re-runs this forward."""
-    return compat.in_backward()
-
-
 class Router(nn.Module):
     def __init__(self, dim: int, num_experts: int, top_k: int, cfg: RoutingConfig):
         super().__init__()
@@ -68,47 +64,37 @@ class Router(nn.Module):
         self.register_buffer("expert_bias_E", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("balance_residual_E", torch.zeros(num_experts, dtype=torch.int64))
         self.register_buffer("balance_pending_E", torch.zeros(num_experts, dtype=torch.int64))
+        self.method = ROUTING_METHODS.load(cfg.method)
+        self._backends: dict[torch.device, object] = {}  # resolved once per device, not per call
         self.stats_group = None  # process group whose picks the aux loss counts (None: this process)
-        self.ep_group = None  # expert-parallel group: token rounding rounds its summed counts (sonic/parallel)
+        self.ep_group = None  # expert-parallel group: token rounding rounds its summed counts
+
+    def backend(self, device: torch.device):
+        """The routing backend module on `device`. Resolved outside torch.compile where possible (the
+        MoE block's `resolve_backends`): resolving imports, which a compiled graph would break at."""
+        if device not in self._backends:
+            self._backends[device] = routing_backend(self.cfg.backend, device)
+        return self._backends[device]
 
     def forward(self, x_TD: Tensor) -> RouterOutput:
         """x_TD in the compute dtype (the MoE block casts it once for the router and the experts)."""
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD, self.weight_ED.to(x_TD.dtype))
-        return self.route(logits_TE.to(torch.promote_types(x_TD.dtype, torch.float32)))
+        return self.route(logits_TE)
 
     def route(self, logits_TE: Tensor) -> RouterOutput:
-        """Everything after the linear layer: selection, gates, plan, losses."""
+        """Everything after the linear layer: selection, gates, plan, losses (in fp32 from any logits dtype)."""
         cfg, E, K = self.cfg, self.num_experts, self.top_k
-        T = logits_TE.shape[0]
         assert logits_TE.shape[1] == E, logits_TE.shape
-        probs_TE = logits_TE.softmax(-1)
-        select_TE = logits_TE.detach() + self.expert_bias_E.to(logits_TE.dtype)
-        topk = select_topk(logits_TE, select_TE, probs_TE, K, cfg.order, cfg.renormalize)
-        topk_counts_E = count_per_expert(topk.expert_idx_TK, E)
-        if cfg.method == "expert_choice":
-            capacity = expert_capacity(T, E, K, cfg.capacity_factor)
-            plan = expert_choice_plan(probs_TE, select_TE.softmax(-1), capacity)
-        elif cfg.method == "token_rounding" and self.training:
-            plan = self._token_rounding(probs_TE, topk.expert_idx_TK, topk.gates_TK)
-        else:
-            plan = plan_from_topk(topk.expert_idx_TK, topk.gates_TK, E)
+        backend = self.backend(logits_TE.device)
+        topk = backend.select_topk(logits_TE, self.expert_bias_E, K, cfg.order, cfg.renormalize)
+        plan, topk_counts_E = self.method(self, logits_TE, topk, backend)
         global_picks = cfg.aux_loss_scope == "global" and self.stats_group is not None
         picks_E = group_sum(topk_counts_E, self.stats_group) if global_picks else topk_counts_E
-        aux = switch_aux_loss(probs_TE, picks_E)
-        z = z_loss(logits_TE)
+        aux = switch_aux_loss(topk.probsum_E / max(logits_TE.shape[0], 1), picks_E)
+        z = z_loss(topk.lse_T)
         loss = cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
         return RouterOutput(plan, loss, aux.detach(), z.detach(), plan.counts_E(), topk_counts_E)
-
-    def _token_rounding(self, probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor) -> RoutingPlan:
-        mode, balance = self.cfg.rounding_mode, self.cfg.rounding_mode == "balance"
-        if balance and not _recomputing():
-            self.balance_residual_E.copy_(self.balance_pending_E)
-        rounded = token_rounding_plan(probs_TE, expert_idx_TK, gates_TK, self.cfg.tile_size, mode,
-                                      residual_E=self.balance_residual_E if balance else None, group=self.ep_group)
-        if balance and not _recomputing():
-            self.balance_pending_E.copy_(self.balance_residual_E + rounded.topk_counts_E - rounded.rounded_E)
-        return rounded.plan
 
     @torch.no_grad()
     def update_expert_bias(self, counts_E: Tensor) -> None:

@@ -1,30 +1,39 @@
-"""Token choice: each token picks its top-K experts; the gates depend on the `order`.
+"""Token choice, the torch routing backend: each token picks its top-K experts; the gates depend on `order`.
 
 Legend: T tokens, E experts, K top-k.
 
   topk_softmax   gates = softmax over the K picked logits (the SonicMoE default)
   softmax_topk   gates = full softmax over E at the K picks, optionally renormalised to sum 1
 
-Selection and gates are separate on purpose: the selection logits may carry the
-aux-loss-free expert bias, the gates never do (DeepSeek-V3).
+Selection and gates are separate on purpose: the selection adds the aux-loss-free expert bias
+to the logits, the gates never do (DeepSeek-V3). Ties go to the lower expert index.
+
+This module is the torch routing backend (routing.backend=torch, sonic/routing/backends.py) and
+defines the semantics; sonic/kernels/triton/routing.py is the fused one. Both give a TopK with the
+statistics the losses need (the full softmax summed over tokens, and the logsumexp per token), so
+no loss makes a second pass over T x E.
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-
-class TopK(NamedTuple):
-    expert_idx_TK: Tensor  # int64, the K distinct experts of each token
-    gates_TK: Tensor  # differentiable gate of each pick
+from sonic.routing.plan import TopK, plan_from_topk  # noqa: F401  (plan_from_topk: this backend's plan)
 
 
-def select_topk(logits_TE: Tensor, select_TE: Tensor, probs_TE: Tensor, top_k: int, order: str,
-                renormalize: bool) -> TopK:
-    """Top-K over `select_TE` (the logits plus any selection bias), gates from the unbiased logits."""
-    expert_idx_TK = select_TE.detach().topk(top_k, dim=-1).indices
+def unavailable_reason(device: torch.device) -> str | None:
+    return None  # runs wherever torch runs
+
+
+def select_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool) -> TopK:
+    """Top-K of logits + bias_E per token, gates from the unbiased logits; softmax statistics in fp32
+    (fp64 for fp64 logits)."""
+    logits_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
+    lse_T = logits_TE.logsumexp(-1)
+    probs_TE = torch.exp(logits_TE - lse_T[:, None])
+    select_TE = logits_TE.detach() + bias_E.to(logits_TE.dtype)
+    # a stable descending sort: equal scores keep the lower expert first, as the fused kernel does
+    expert_idx_TK = select_TE.sort(dim=-1, descending=True, stable=True).indices[:, :k]
     if order == "topk_softmax":
         gates_TK = logits_TE.gather(1, expert_idx_TK).softmax(-1)
     else:
@@ -32,11 +41,18 @@ def select_topk(logits_TE: Tensor, select_TE: Tensor, probs_TE: Tensor, top_k: i
         gates_TK = probs_TE.gather(1, expert_idx_TK)
         if renormalize:
             gates_TK = gates_TK / gates_TK.sum(-1, keepdim=True)
-    return TopK(expert_idx_TK, gates_TK)
+    return TopK(expert_idx_TK, gates_TK, probs_TE.sum(0), lse_T)
 
 
 def count_per_expert(expert_idx: Tensor, num_experts: int) -> Tensor:
-    """How often each expert id occurs (int64, on device, no host sync, deterministic)."""
+    """How often each expert id occurs (int64, on device, no host sync). Integer scatter_add: exact in any
+    order, so deterministic, and not index_put's sort-based accumulate."""
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_idx.device)
-    ones = torch.ones(expert_idx.numel(), dtype=torch.int64, device=expert_idx.device)
-    return counts_E.index_put_((expert_idx.reshape(-1),), ones, accumulate=True)
+    flat = expert_idx.reshape(-1).long()
+    return counts_E.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def topk_method(router, logits_TE: Tensor, topk: TopK, backend) -> tuple:
+    """routing.method=topk: the plan of the top-K picks, whose counts are the plan's."""
+    plan = backend.plan_from_topk(topk.expert_idx_TK, topk.gates_TK, router.num_experts)
+    return plan, plan.counts_E()

@@ -57,7 +57,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from sonic import compat
-from sonic.routing.plan import RoutingPlan, build_plan
+from sonic.routing.plan import RoutingPlan, TopK, build_plan
+from sonic.routing.token_choice import count_per_expert, topk_method
 
 
 class RoundedPlan(NamedTuple):
@@ -188,3 +189,25 @@ def _keep_counts(order_TE: Tensor, key_TE: Tensor, probs_TE: Tensor, counts_E: T
     taken_CE = torch.arange(key_CE.shape[0], device=key_TE.device)[:, None] < needed_E[None, :]
     mine_E = (taken_CE & (owner_CE.gather(0, order_CE) == rank)).sum(0)
     return start_E + mine_E
+
+
+def recomputing() -> bool:
+    """True inside a backward pass, i.e. when activation checkpointing re-runs this forward."""
+    return compat.in_backward()
+
+
+def token_rounding_method(router, logits_TE: Tensor, topk: TopK, backend) -> tuple[RoutingPlan, Tensor]:
+    """routing.method=token_rounding: rounded counts in training mode, plain top-K in eval mode. Under
+    rounding_mode=balance the router's residual buffers carry f - c across steps (Router docstring)."""
+    if not router.training:
+        return topk_method(router, logits_TE, topk, backend)
+    cfg = router.cfg
+    balance = cfg.rounding_mode == "balance"
+    if balance and not recomputing():
+        router.balance_residual_E.copy_(router.balance_pending_E)
+    probs_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32)).softmax(-1)
+    rounded = token_rounding_plan(probs_TE, topk.expert_idx_TK, topk.gates_TK, cfg.tile_size, cfg.rounding_mode,
+                                  residual_E=router.balance_residual_E if balance else None, group=router.ep_group)
+    if balance and not recomputing():
+        router.balance_pending_E.copy_(router.balance_residual_E + rounded.topk_counts_E - rounded.rounded_E)
+    return rounded.plan, count_per_expert(topk.expert_idx_TK, router.num_experts)

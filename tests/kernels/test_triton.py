@@ -14,6 +14,7 @@ import torch
 
 from sonic.kernels import reference
 from sonic.routing.plan import RoutingPlan, build_plan, plan_from_topk
+from tests.helpers import run_in_triton_interpreter
 
 BF16_TOL = 1e-2
 
@@ -188,32 +189,6 @@ def test_no_recompile_or_retune_across_row_counts(triton_device):
     assert tuning.chosen() == chosen, "a different routed-row count re-tuned"
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("T,E,K", [(1000, 128, 8), (333, 4096, 16), (257, 512, 10), (5, 3, 3)])
-def test_routing_kernels_match_torch(T, E, K, triton_device, poison):
-    from sonic.kernels.triton import routing
-
-    gen = torch.Generator(device=triton_device).manual_seed(T * E + K)
-    logits = torch.randn(T, E, generator=gen, device=triton_device, requires_grad=True)
-    idx, scores = routing.topk_softmax(logits, K)
-    top, ref_idx = logits.topk(K, dim=-1)
-    ref_scores = top.softmax(-1)
-    assert torch.equal(idx.long(), ref_idx)
-    torch.testing.assert_close(scores, ref_scores)
-    g = torch.randn(T, K, generator=gen, device=triton_device)
-    (dl,) = torch.autograd.grad(scores, logits, g)
-    (dl_ref,) = torch.autograd.grad(ref_scores, logits, g)
-    torch.testing.assert_close(dl, dl_ref)
-
-    ours = routing.plan_from_topk(idx, scores, E)
-    theirs = plan_from_topk(ref_idx, ref_scores, E)
-    for field in ("token_idx_R", "expert_idx_R", "expert_offsets_E1", "token_offsets_T1", "rows_by_token_R"):
-        a, b = getattr(ours, field), getattr(theirs, field)
-        assert a.dtype == b.dtype and torch.equal(a, b), field
-    torch.testing.assert_close(ours.scores_R, theirs.scores_R)
-    assert ours.scores_R.requires_grad  # the router learns through dS
-
-
 # ------------------------------------------------------------------ CPU: Triton's interpreter
 
 def _interpreter_main() -> None:
@@ -222,19 +197,10 @@ def _interpreter_main() -> None:
     The interpreter has no bf16 dot, so fp32 and fp16 are checked; small tiles (16 rows,
     32 columns, 16-deep K) give several tiles per expert, ragged tails and several K steps.
     """
-    import numpy as np
-    import triton.runtime.interpreter as interp
+    from sonic.kernels.triton import experts, tuning
+    from tests.helpers import patch_triton_interpreter
 
-    if np.lib.NumpyVersion(np.__version__) >= "2.4.0":  # interpreter's int() of 1-element arrays
-        orig = interp._patch_lang_tensor
-
-        def patched(tensor, scope):
-            orig(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-        interp._patch_lang_tensor = patched
-
-    from sonic.kernels.triton import experts, routing, tuning
+    patch_triton_interpreter()
 
     small = tuning.Config(16, 32, 16, 4, 1)
     for k in tuning.CANDIDATES:
@@ -257,31 +223,10 @@ def _interpreter_main() -> None:
             if want is not None:
                 err = rel_err(got[name], want)
                 assert err <= (2e-3 if dtype == torch.float16 else 1e-5), (T, D, N, E, K, name, err)
-    for T, E, K in [(600, 50, 5), (130, 200, 7), (65, 16, 16)]:
-        logits = torch.randn(T, E, generator=gen)
-        idx, scores = routing.topk_softmax(logits, K)
-        top, ref_idx = logits.topk(K, dim=-1)
-        assert torch.equal(idx.long(), ref_idx)
-        ours, theirs = routing.plan_from_topk(idx, scores, E), plan_from_topk(ref_idx, top.softmax(-1), E)
-        for field in ("token_idx_R", "expert_idx_R", "expert_offsets_E1", "token_offsets_T1", "rows_by_token_R"):
-            assert torch.equal(getattr(ours, field), getattr(theirs, field)), field
-        torch.testing.assert_close(ours.scores_R, theirs.scores_R)
     print("interpreter ok")
 
 
 @pytest.mark.slow
 def test_kernels_in_triton_interpreter():
     """CPU coverage of the kernels' indexing, where Triton is installed (no GPU needed)."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", "import tests.kernels.test_triton as t; t._interpreter_main()"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_in_triton_interpreter("import tests.kernels.test_triton as t; t._interpreter_main()", "interpreter ok")

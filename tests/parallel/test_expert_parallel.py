@@ -95,7 +95,7 @@ def _plans(rank: int, world: int, group) -> dict:
         for k in (1, K):  # K=1 under topk_softmax: every top-K gate is 1, ties between all TC picks
             mine = logits[me * T:(me + 1) * T]
             probs = mine.softmax(-1)
-            topk = select_topk(mine, mine, probs, k, "topk_softmax", False)
+            topk = select_topk(mine, torch.zeros(mine.shape[1]), k, "topk_softmax", False)
             residual = torch.arange(E) % 3 - 1
             plan = token_rounding_plan(probs, topk.expert_idx_TK, topk.gates_TK, tile, mode, residual, group).plan
             rows = torch.stack([plan.token_idx_R.double() + me * T, plan.expert_idx_R.double(), plan.scores_R.double()], 1)
@@ -182,7 +182,7 @@ def test_expert_parallel_token_rounding_plan_matches_one_process(spawned):
     world, results = spawned
     for (mode, k), (rows, logits) in results["plans"]["world"].items():
         probs = logits.softmax(-1)
-        topk = select_topk(logits, logits, probs, k, "topk_softmax", False)
+        topk = select_topk(logits, torch.zeros(logits.shape[1]), k, "topk_softmax", False)
         E = logits.shape[1]
         residual = torch.arange(E) % 3 - 1
         want = token_rounding_plan(probs, topk.expert_idx_TK, topk.gates_TK, 4, mode, residual).plan

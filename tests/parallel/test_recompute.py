@@ -7,7 +7,7 @@ import torch
 from torch.utils.checkpoint import CheckpointError
 from torch._dynamo.utils import counters
 
-import sonic.routing.router as router_module
+import sonic.routing.token_rounding as token_rounding_module
 from sonic.models import ModelConfig, MoEConfig, Transformer
 from sonic.parallel import DistInfo, ParallelConfig, parallelize
 from sonic.routing.config import RoutingConfig
@@ -67,7 +67,7 @@ def test_recompute_that_updates_buffers_is_caught(monkeypatch):
     """The check above fails if a recompute updated the balance residual a second time
     (or the recompute itself fails, when the changed routing changes the row count)."""
     want = eager("balance")
-    monkeypatch.setattr(router_module, "_recomputing", lambda: False)
+    monkeypatch.setattr(token_rounding_module, "recomputing", lambda: False)
     with pytest.raises((AssertionError, CheckpointError)):
         assert_same(train_steps("balance", ParallelConfig(activation_checkpoint="full")), want)
 

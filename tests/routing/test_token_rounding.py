@@ -48,7 +48,7 @@ MATRICES = ("random", "random_large", "all_ties", "coarse_ties", "one_expert", "
 
 def route(logits_TE, K, tile, mode, order="topk_softmax", renormalize=False, residual_E=None):
     probs_TE = logits_TE.softmax(-1)
-    topk = select_topk(logits_TE, logits_TE, probs_TE, K, order, renormalize)
+    topk = select_topk(logits_TE, torch.zeros(logits_TE.shape[1]), K, order, renormalize)
     if mode == "balance" and residual_E is None:
         residual_E = torch.zeros(logits_TE.shape[1], dtype=torch.int64)
     out = token_rounding_plan(probs_TE, topk.expert_idx_TK, topk.gates_TK, tile, mode, residual_E)

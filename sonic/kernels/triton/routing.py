@@ -1,16 +1,16 @@
-"""Routing kernels: fused top-K + softmax, and the RoutingPlan built on device with no host sync.
+"""Routing kernels: the router's top-K selection with its gates and loss statistics, and the RoutingPlan
+built on device with no host sync. The `triton` routing backend (routing.backend, sonic/routing/backends.py);
+sonic/routing/token_choice.py is the torch backend that defines the semantics.
 
-Integration point for sonic.routing (owned elsewhere): the router can replace
+select_topk (one kernel forward, one backward, behind the custom ops sonic::select_topk[_backward]):
+per token, from the router logits, in fp32: logsumexp (lse, for the z-loss and the softmax), the full
+softmax summed over the tokens (probsum, for the aux loss: per program, then summed in a fixed order),
+the top-K of logits + expert bias (ties to the lower expert index), and the gates from the unbiased
+logits (softmax over the K picks, or the full softmax at the picks, optionally renormalised). Its
+backward recomputes the softmax from the logits and lse and writes d logits in one pass: the gates',
+the aux loss's (through probsum) and the z-loss's (through lse) gradients together.
 
-    top_logits_TK, expert_idx_TK = logits_TE.topk(K); scores_TK = top_logits_TK.softmax(-1)
-    plan = plan_from_topk(expert_idx_TK, scores_TK, E)
-
-by `expert_idx_TK, scores_TK = topk_softmax(logits_TE, K)` (differentiable in the logits)
-and `plan = plan_from_topk(expert_idx_TK, scores_TK, E)` from this module: the plan is
-field-for-field the one sonic.routing.plan.plan_from_topk builds, and scores_R keeps its
-autograd history.
-
-The plan is a two-level counting sort: tokens are cut into chunks of BT; per chunk the
+plan_from_topk is a two-level counting sort: tokens are cut into chunks of BT; per chunk the
 pairs are counted per expert (integer atomics), a scan over chunks gives each (chunk,
 expert) its first row, and each chunk sorts its own (expert, token) keys in registers to
 rank its pairs within an expert. Rows come out sorted by expert then token, exactly as
@@ -23,7 +23,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sonic.routing.plan import RoutingPlan
+from sonic.routing.plan import RoutingPlan, TopK
+
+ORDERS = {"topk_softmax": 0, "softmax_topk": 1}
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    from sonic.kernels.triton import unavailable_reason as reason
+
+    return reason(device)
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -31,74 +39,184 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _tiles(E: int, K: int) -> dict:
+    be = max(16, triton.next_power_of_2(E))
+    return dict(BE=be, BT=max(1, min(64, 2048 // be)), KP=max(2, triton.next_power_of_2(K)),
+                num_warps=4 if be <= 1024 else 8)
+
+
+@triton.jit
+def _softmax_rows(logits_TE, t, e, T, E: tl.constexpr):
+    """(x, P, lse, row mask, col mask) of a tile of tokens: logits in fp32, -inf padding."""
+    tm = t < T
+    em = e < E
+    x = tl.load(logits_TE + t.to(tl.int64)[:, None] * E + e[None, :], mask=tm[:, None] & em[None, :],
+                other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=1)
+    m = tl.where(tm, m, 0.0)
+    p = tl.exp(x - m[:, None])
+    s = tl.where(tm, tl.sum(p, axis=1), 1.0)  # padding rows: no log(0)
+    lse = m + tl.log(s)
+    return x, p / s[:, None], lse, tm, em
+
+
 @triton.jit(do_not_specialize=["T"])
-def _topk_softmax_kernel(logits_TE, idx_TK, scores_TK, T, E: tl.constexpr, K: tl.constexpr,
-                         BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
-    """K rounds of (max, lowest index attaining it) per token, then a softmax over the K."""
+def _select_kernel(logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, T, E: tl.constexpr, K: tl.constexpr,
+                   ORDER: tl.constexpr, RENORM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
+    """K rounds of (max, lowest index attaining it) of logits + bias per token, then the gates."""
+    c = tl.program_id(0)
+    t = c * BT + tl.arange(0, BT)
+    e = tl.arange(0, BE)
+    x, P, lse, tm, em = _softmax_rows(logits_TE, t, e, T, E)
+    tl.store(lse_T + t, lse, mask=tm)
+    tl.store(probsum_CE + c.to(tl.int64) * E + e, tl.sum(tl.where(tm[:, None], P, 0.0), axis=0), mask=em)
+    bias = tl.load(bias_E + e, mask=em, other=0.0)
+    taken = (~em)[None, :] | (t < 0)[:, None]  # padding columns never win
+    sel = x + bias[None, :]
+    kk = tl.arange(0, KP)
+    top_i = tl.zeros((BT, KP), tl.int32)
+    top_x = tl.full((BT, KP), float("-inf"), tl.float32)  # the unbiased logit of each pick
+    top_p = tl.zeros((BT, KP), tl.float32)  # its full-softmax probability
+    for k in tl.static_range(K):
+        sv = tl.where(taken, float("-inf"), sel)
+        m = tl.max(sv, axis=1)
+        i = tl.min(tl.where((sv == m[:, None]) & ~taken, e[None, :], BE), axis=1)
+        hit = e[None, :] == i[:, None]
+        top_i = tl.where(kk[None, :] == k, i[:, None], top_i)
+        top_x = tl.where(kk[None, :] == k, tl.sum(tl.where(hit, x, 0.0), axis=1)[:, None], top_x)
+        top_p = tl.where(kk[None, :] == k, tl.sum(tl.where(hit, P, 0.0), axis=1)[:, None], top_p)
+        taken = taken | hit
+    if ORDER == 0:  # softmax over the K picked logits
+        mx = tl.max(top_x, axis=1)
+        g = tl.where(kk[None, :] < K, tl.exp(top_x - mx[:, None]), 0.0)
+        g = g / tl.sum(g, axis=1)[:, None]
+    else:
+        g = tl.where(kk[None, :] < K, top_p, 0.0)
+        if RENORM:
+            g = g / tl.sum(g, axis=1)[:, None]
+    om = tm[:, None] & (kk < K)[None, :]
+    out = t.to(tl.int64)[:, None] * K + kk[None, :]
+    tl.store(idx_TK + out, top_i.to(tl.int64), mask=om)
+    tl.store(gates_TK + out, g, mask=om)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _select_backward_kernel(logits_TE, idx_TK, gates_TK, lse_T, dgates_TK, dprobsum_E, dlse_T, dlogits_TE, T,
+                            E: tl.constexpr, K: tl.constexpr, ORDER: tl.constexpr, RENORM: tl.constexpr,
+                            BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
+    """d logits = P * (u - <P, u>) + w, where u = dL/dP (the aux loss's probsum gradient, and the gates'
+    under softmax_topk) and w collects what does not go through the full softmax (the gates under
+    topk_softmax: a softmax over the K picks; the z-loss through lse: dlse * P)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     e = tl.arange(0, BE)
     tm = t < T
-    x = tl.load(logits_TE + t.to(tl.int64)[:, None] * E + e[None, :],
-                mask=tm[:, None] & (e < E)[None, :], other=float("-inf")).to(tl.float32)
-    taken = (e >= E)[None, :] | (t < 0)[:, None]  # padding columns never win
+    em = e < E
+    x = tl.load(logits_TE + t.to(tl.int64)[:, None] * E + e[None, :], mask=tm[:, None] & em[None, :],
+                other=float("-inf")).to(tl.float32)
+    lse = tl.load(lse_T + t, mask=tm, other=0.0)
+    P = tl.exp(x - lse[:, None])
+    P = tl.where(tm[:, None] & em[None, :], P, 0.0)
     kk = tl.arange(0, KP)
-    top_v = tl.full((BT, KP), float("-inf"), tl.float32)
-    top_i = tl.zeros((BT, KP), tl.int32)
+    km = tm[:, None] & (kk < K)[None, :]
+    pk = t.to(tl.int64)[:, None] * K + kk[None, :]
+    idx = tl.load(idx_TK + pk, mask=km, other=-1).to(tl.int32)
+    gate = tl.load(gates_TK + pk, mask=km, other=0.0)
+    dg = tl.load(dgates_TK + pk, mask=km, other=0.0).to(tl.float32)
+    u = tl.load(dprobsum_E + e, mask=em, other=0.0)[None, :] + tl.zeros((BT, BE), tl.float32)
+    w = tl.load(dlse_T + t, mask=tm, other=0.0)[:, None] * P
+    if ORDER == 0:  # gate_k = softmax over the picked logits: d x_k = gate_k (dg_k - <gate, dg>)
+        dpick = gate * (dg - tl.sum(gate * dg, axis=1)[:, None])
+    elif RENORM:  # gate_k = P_k / S with S the picks' P summed: d P_k = (dg_k - <gate, dg>) / S
+        S = tl.zeros((BT,), tl.float32)
+        for k in tl.static_range(K):
+            col = tl.sum(tl.where(kk[None, :] == k, idx, 0), axis=1)
+            S += tl.sum(tl.where(e[None, :] == col[:, None], P, 0.0), axis=1)
+        dpick = (dg - tl.sum(gate * dg, axis=1)[:, None]) / tl.where(tm, S, 1.0)[:, None]
+    else:  # gate_k = P_k
+        dpick = dg
     for k in tl.static_range(K):
-        xv = tl.where(taken, float("-inf"), x)
-        m = tl.max(xv, axis=1)
-        i = tl.min(tl.where((xv == m[:, None]) & ~taken, e[None, :], BE), axis=1)
-        top_v = tl.where(kk[None, :] == k, m[:, None], top_v)
-        top_i = tl.where(kk[None, :] == k, i[:, None], top_i)
-        taken = taken | (e[None, :] == i[:, None])
-    mx = tl.max(top_v, axis=1)
-    p = tl.where(kk[None, :] < K, tl.exp(top_v - mx[:, None]), 0.0)
-    p = p / tl.sum(p, axis=1)[:, None]
-    om = tm[:, None] & (kk < K)[None, :]
-    out = t.to(tl.int64)[:, None] * K + kk[None, :]
-    tl.store(idx_TK + out, top_i, mask=om)
-    tl.store(scores_TK + out, p, mask=om)
+        col = tl.sum(tl.where(kk[None, :] == k, idx, 0), axis=1)
+        val = tl.where(e[None, :] == col[:, None], tl.sum(tl.where(kk[None, :] == k, dpick, 0.0), axis=1)[:, None], 0.0)
+        if ORDER == 0:
+            w += val
+        else:
+            u += val
+    d = P * (u - tl.sum(P * u, axis=1)[:, None]) + w
+    tl.store(dlogits_TE + t.to(tl.int64)[:, None] * E + e[None, :], d, mask=tm[:, None] & em[None, :])
 
 
-class _TopKSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits_TE: Tensor, k: int):
-        T, E = logits_TE.shape
-        logits_TE = logits_TE.contiguous()
-        idx_TK = _alloc((T, k), torch.int32, logits_TE.device)
-        scores_TK = _alloc((T, k), torch.float32, logits_TE.device)
-        if T:
-            be = max(16, triton.next_power_of_2(E))
-            bt = max(1, min(64, 2048 // be))
-            _topk_softmax_kernel[(triton.cdiv(T, bt),)](
-                logits_TE, idx_TK, scores_TK, T, E=E, K=k, BT=bt, BE=be,
-                KP=max(2, triton.next_power_of_2(k)), num_warps=4 if be <= 1024 else 8)
-        ctx.save_for_backward(idx_TK, scores_TK)
-        ctx.shape, ctx.dtype = (T, E), logits_TE.dtype
-        ctx.mark_non_differentiable(idx_TK)
-        return idx_TK, scores_TK
-
-    @staticmethod
-    def backward(ctx, _didx, dscores_TK):
-        idx_TK, scores_TK = ctx.saved_tensors
-        # softmax over the K picks: dl_k = s_k (g_k - sum_j s_j g_j); other logits get 0
-        g = dscores_TK.float()
-        dl_TK = scores_TK * (g - (scores_TK * g).sum(-1, keepdim=True))
-        dlogits_TE = torch.zeros(ctx.shape, dtype=torch.float32, device=g.device)
-        dlogits_TE.scatter_(1, idx_TK.long(), dl_TK)
-        return dlogits_TE.to(ctx.dtype), None
+@torch.library.custom_op("sonic::select_topk", mutates_args=())
+def _select(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    T, E = logits_TE.shape
+    dev = logits_TE.device
+    tiles = _tiles(E, k)
+    C = triton.cdiv(T, tiles["BT"])
+    idx_TK = _alloc((T, k), torch.int64, dev)
+    gates_TK = _alloc((T, k), torch.float32, dev)
+    lse_T = _alloc((T,), torch.float32, dev)
+    probsum_CE = _alloc((C, E), torch.float32, dev)
+    if T:
+        _select_kernel[(C,)](logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, T, E=E, K=k,
+                             ORDER=ORDERS[order], RENORM=renormalize, **tiles)
+    return idx_TK, gates_TK, lse_T, probsum_CE.sum(0)  # a fixed-order sum: deterministic
 
 
-def topk_softmax(logits_TE: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """(expert_idx_TK int32, scores_TK float32): top-K logits, softmax over the K picks.
+@_select.register_fake
+def _(logits_TE, bias_E, k, order, renormalize):
+    T, E = logits_TE.shape
+    f32 = dict(dtype=torch.float32, device=logits_TE.device)
+    return (logits_TE.new_empty((T, k), dtype=torch.int64), logits_TE.new_empty((T, k), **f32),
+            logits_TE.new_empty((T,), **f32), logits_TE.new_empty((E,), **f32))
 
-    Differentiable in logits_TE through scores_TK. Ties go to the lower expert index.
-    """
+
+@torch.library.custom_op("sonic::select_topk_backward", mutates_args=())
+def _select_backward(logits_TE: Tensor, idx_TK: Tensor, gates_TK: Tensor, lse_T: Tensor, dgates_TK: Tensor,
+                     dprobsum_E: Tensor, dlse_T: Tensor, order: str, renormalize: bool) -> Tensor:
+    T, E = logits_TE.shape
+    K = idx_TK.shape[1]
+    dlogits_TE = _alloc((T, E), logits_TE.dtype, logits_TE.device)
+    if T:
+        tiles = _tiles(E, K)
+        _select_backward_kernel[(triton.cdiv(T, tiles["BT"]),)](
+            logits_TE, idx_TK, gates_TK, lse_T, dgates_TK.contiguous(), dprobsum_E.float().contiguous(),
+            dlse_T.float().contiguous(), dlogits_TE, T, E=E, K=K, ORDER=ORDERS[order], RENORM=renormalize, **tiles)
+    return dlogits_TE
+
+
+@_select_backward.register_fake
+def _(logits_TE, idx_TK, gates_TK, lse_T, dgates_TK, dprobsum_E, dlse_T, order, renormalize):
+    return torch.empty_like(logits_TE)
+
+
+def _select_setup(ctx, inputs, output):
+    logits_TE, _, _, order, renormalize = inputs
+    idx_TK, gates_TK, lse_T, _ = output
+    ctx.save_for_backward(logits_TE, idx_TK, gates_TK, lse_T)
+    ctx.order, ctx.renormalize = order, renormalize
+
+
+def _select_autograd(ctx, _didx, dgates_TK, dlse_T, dprobsum_E):
+    logits_TE, idx_TK, gates_TK, lse_T = ctx.saved_tensors
+    zeros = lambda t, like: torch.zeros_like(like) if t is None else t  # noqa: E731
+    dlogits_TE = _select_backward(logits_TE, idx_TK, gates_TK, lse_T, zeros(dgates_TK, gates_TK),
+                                  zeros(dprobsum_E, lse_T.new_empty(logits_TE.shape[1])), zeros(dlse_T, lse_T),
+                                  ctx.order, ctx.renormalize)
+    return dlogits_TE, None, None, None, None
+
+
+_select.register_autograd(_select_autograd, setup_context=_select_setup)
+
+
+def select_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool) -> TopK:
+    """The torch backend's sonic.routing.token_choice.select_topk, fused: see the module docstring."""
     if logits_TE.dim() != 2:
         raise ValueError(f"logits_TE must be (tokens, experts), got {tuple(logits_TE.shape)}")
     if not 1 <= k <= logits_TE.shape[1]:
         raise ValueError(f"top_k={k} must be between 1 and the number of experts {logits_TE.shape[1]}")
-    return _TopKSoftmax.apply(logits_TE, k)
+    idx_TK, gates_TK, lse_T, probsum_E = _select(logits_TE.contiguous(), bias_E.float().contiguous(), k, order,
+                                                renormalize)
+    return TopK(idx_TK, gates_TK, probsum_E, lse_T)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -164,10 +282,10 @@ def _scatter_kernel(idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_
     k = tl.arange(0, KP)
     t64 = t.to(tl.int64)
     m = (t < T)[:, None] & (k < K)[None, :]
-    e = tl.load(idx_TK + t64[:, None] * K + k[None, :], mask=m, other=0)
+    e = tl.load(idx_TK + t64[:, None] * K + k[None, :], mask=m, other=0).to(tl.int32)  # int64 ids in
     slot = tl.zeros((BT, KP), tl.int32)
     for k2 in tl.static_range(K):
-        e2 = tl.load(idx_TK + t64 * K + k2, mask=t < T, other=0)
+        e2 = tl.load(idx_TK + t64 * K + k2, mask=t < T, other=0).to(tl.int32)
         slot += (e2[:, None] < e).to(tl.int32)
     tloc = tl.arange(0, BT)[:, None]
     key = ((e * BT + tloc) * KP + k[None, :]) * KP + slot
@@ -189,18 +307,40 @@ def _scatter_kernel(idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_
     tl.store(rows_by_token_R + t_s.to(tl.int64) * K + slot_s, row, mask=valid)
 
 
-class _Permute(torch.autograd.Function):
-    """out_R = src[order_R] for a permutation: the backward is a plain scatter (no sort, no atomics)."""
+@torch.library.custom_op("sonic::plan_from_topk", mutates_args=())
+def _plan_indices(expert_idx_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(token_idx_R, expert_idx_R, order_R, expert_offsets_E1, token_offsets_T1, rows_by_token_R), int32,
+    where order_R is each row's position in expert_idx_TK.view(-1)."""
+    T, K = expert_idx_TK.shape
+    E, dev, R = num_experts, expert_idx_TK.device, T * K
+    be = max(16, min(128, triton.next_power_of_2(E)))
+    kp = max(2, triton.next_power_of_2(K))
+    bt = max(16, 1024 // kp)  # a chunk sorts bt * kp keys
+    C, EB = triton.cdiv(T, bt), triton.cdiv(E, be)
+    counts_CE = torch.zeros((C, E), dtype=torch.int32, device=dev)  # atomics accumulate into it
+    base_CE = _alloc((C, E), torch.int32, dev)
+    total_E = _alloc((E,), torch.int32, dev)
+    expert_offsets_E1 = _alloc((E + 1,), torch.int32, dev)
+    token_idx_R, expert_idx_R, order_R, rows_by_token_R = (_alloc((R,), torch.int32, dev) for _ in range(4))
+    if T:
+        _count_kernel[(C,)](expert_idx_TK, counts_CE, T, E=E, K=K, BT=bt, KP=kp, num_warps=4)
+        _scan_chunks_kernel[(EB,)](counts_CE, base_CE, total_E, C, E=E, BC=32, BE=be, num_warps=4)
+    else:
+        total_E.zero_()
+    _expert_offsets_kernel[(1,)](total_E, expert_offsets_E1, E=E,
+                                 BE=max(16, min(4096, triton.next_power_of_2(E))), num_warps=4)
+    if T:
+        _scatter_kernel[(C,)](expert_idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_R, order_R,
+                              rows_by_token_R, T, E=E, K=K, BT=bt, KP=kp, num_warps=8)
+    token_offsets_T1 = torch.arange(0, R + 1, K, dtype=torch.int32, device=dev)
+    return token_idx_R, expert_idx_R, order_R, expert_offsets_E1, token_offsets_T1, rows_by_token_R
 
-    @staticmethod
-    def forward(ctx, src: Tensor, order_R: Tensor):
-        ctx.save_for_backward(order_R)
-        return src[order_R]
 
-    @staticmethod
-    def backward(ctx, grad_R: Tensor):
-        (order_R,) = ctx.saved_tensors
-        return torch.empty_like(grad_R).index_copy_(0, order_R, grad_R), None
+@_plan_indices.register_fake
+def _(expert_idx_TK, num_experts):
+    T, K = expert_idx_TK.shape
+    i32 = lambda n: expert_idx_TK.new_empty((n,), dtype=torch.int32)  # noqa: E731
+    return i32(T * K), i32(T * K), i32(T * K), i32(num_experts + 1), i32(T + 1), i32(T * K)
 
 
 def plan_from_topk(expert_idx_TK: Tensor, scores_TK: Tensor, num_experts: int) -> RoutingPlan:
@@ -212,38 +352,17 @@ def plan_from_topk(expert_idx_TK: Tensor, scores_TK: Tensor, num_experts: int) -
     if expert_idx_TK.dim() != 2 or expert_idx_TK.shape != scores_TK.shape:
         raise ValueError(f"expert_idx_TK {tuple(expert_idx_TK.shape)} and scores_TK "
                          f"{tuple(scores_TK.shape)} must both be (tokens, K)")
-    T, K = expert_idx_TK.shape
-    E = num_experts
-    dev = expert_idx_TK.device
-    idx_TK = expert_idx_TK.to(torch.int32).contiguous()
-    R = T * K
-    be = max(16, min(128, triton.next_power_of_2(E)))
-    kp = max(2, triton.next_power_of_2(K))
-    bt = max(16, 1024 // kp)  # a chunk sorts bt * kp keys
-    C, EB = triton.cdiv(T, bt), triton.cdiv(E, be)
-    counts_CE = torch.zeros((C, E), dtype=torch.int32, device=dev)  # atomics accumulate into it
-    base_CE = _alloc((C, E), torch.int32, dev)
-    total_E = _alloc((E,), torch.int32, dev)
-    expert_offsets_E1 = _alloc((E + 1,), torch.int32, dev)
-    token_idx_R, expert_idx_R, order_R, rows_by_token_R = (_alloc((R,), torch.int32, dev) for _ in range(4))
-    if T:
-        _count_kernel[(C,)](idx_TK, counts_CE, T, E=E, K=K, BT=bt, KP=kp, num_warps=4)
-        _scan_chunks_kernel[(EB,)](counts_CE, base_CE, total_E, C, E=E, BC=32, BE=be, num_warps=4)
-    else:
-        total_E.zero_()
-    _expert_offsets_kernel[(1,)](total_E, expert_offsets_E1, E=E,
-                                 BE=max(16, min(4096, triton.next_power_of_2(E))), num_warps=4)
-    if T:
-        _scatter_kernel[(C,)](idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_R, order_R,
-                              rows_by_token_R, T, E=E, K=K, BT=bt, KP=kp, num_warps=8)
-    token_offsets_T1 = torch.arange(0, R + 1, K, dtype=torch.int32, device=dev)
+    token_idx_R, expert_idx_R, order_R, expert_offsets_E1, token_offsets_T1, rows_by_token_R = _plan_indices(
+        expert_idx_TK.contiguous(), num_experts)
+    # index_select by a permutation: its backward is an index_add without collisions (no sort)
     return RoutingPlan(token_idx_R=token_idx_R, expert_idx_R=expert_idx_R,
-                       scores_R=_Permute.apply(scores_TK.reshape(-1), order_R.long()),
+                       scores_R=scores_TK.reshape(-1).index_select(0, order_R),
                        expert_offsets_E1=expert_offsets_E1, token_offsets_T1=token_offsets_T1,
                        rows_by_token_R=rows_by_token_R)
 
 
 def route_topk(logits_TE: Tensor, k: int) -> RoutingPlan:
-    """Top-K + softmax over the picks + plan, all on device: the router's default path."""
-    idx_TK, scores_TK = topk_softmax(logits_TE, k)
-    return plan_from_topk(idx_TK, scores_TK, logits_TE.shape[1])
+    """Top-K + softmax over the picks + plan, all on device (no expert bias): for benchmarks of the layer."""
+    topk = select_topk(logits_TE, logits_TE.new_zeros(logits_TE.shape[1], dtype=torch.float32), k,
+                       "topk_softmax", False)
+    return plan_from_topk(topk.expert_idx_TK, topk.gates_TK, logits_TE.shape[1])

@@ -1,0 +1,97 @@
+"""The triton routing backend against the torch one (the semantics): the same top-K (ties included), gates,
+softmax statistics, gradients through the gates, the aux loss and the z-loss, and the same plan, for every
+gate order, with and without an expert bias. On the GPU on fresh inputs with every output buffer poisoned,
+and on the CPU through Triton's interpreter (TRITON_INTERPRET=1)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sonic.routing import token_choice
+from sonic.routing.losses import switch_aux_loss, z_loss
+from tests.helpers import run_in_triton_interpreter
+
+ORDERS = [("topk_softmax", False), ("softmax_topk", False), ("softmax_topk", True)]
+FIELDS = ("token_idx_R", "expert_idx_R", "expert_offsets_E1", "token_offsets_T1", "rows_by_token_R")
+
+
+def make_logits(T: int, E: int, ties: bool, dtype, device, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 3, (T, E), generator=gen).float() if ties else torch.randn(T, E, generator=gen)
+    if T > 1:
+        logits[T // 2] = 0.0  # a token whose logits all tie
+    return logits.to(dtype).to(device)
+
+
+def losses(topk, E: int, T: int, gen: torch.Generator) -> torch.Tensor:
+    """A loss through every differentiable output: the gates, the aux loss (probsum) and the z-loss (lse)."""
+    g = torch.randn(topk.gates_TK.shape, generator=gen).to(topk.gates_TK.device)
+    picks = torch.randint(1, 50, (E,), generator=gen).to(topk.gates_TK.device)
+    return (topk.gates_TK * g).sum() + 3.0 * switch_aux_loss(topk.probsum_E / T, picks) + 0.5 * z_loss(topk.lse_T)
+
+
+def check_parity(device: str, cases, dtypes=(torch.float32,)) -> None:
+    from sonic.kernels.triton import routing
+
+    for T, E, K, ties, biased in cases:
+        for dtype in dtypes:
+            for order, renorm in ORDERS:
+                seed = T * 1000 + E * 10 + K
+                bias_E = (torch.randn(E, generator=torch.Generator().manual_seed(seed)) * 0.5 if biased
+                          else torch.zeros(E)).to(device)
+                got, want, grads = {}, {}, {}
+                for name, backend in (("triton", routing), ("torch", token_choice)):
+                    logits = make_logits(T, E, ties, dtype, device, seed).requires_grad_()
+                    topk = backend.select_topk(logits, bias_E, K, order, renorm)
+                    plan = backend.plan_from_topk(topk.expert_idx_TK, topk.gates_TK, E)
+                    loss = losses(topk, E, T, torch.Generator().manual_seed(seed))
+                    (grads[name],) = torch.autograd.grad(loss, logits)
+                    (got if name == "triton" else want)["topk"], (got if name == "triton" else want)["plan"] = topk, plan
+                what = f"T={T} E={E} K={K} ties={ties} bias={biased} {dtype} {order} renorm={renorm}"
+                assert got["topk"].expert_idx_TK.dtype == torch.int64
+                assert torch.equal(got["topk"].expert_idx_TK, want["topk"].expert_idx_TK), what
+                for field in ("gates_TK", "probsum_E", "lse_T"):
+                    torch.testing.assert_close(getattr(got["topk"], field), getattr(want["topk"], field).float(),
+                                               rtol=1e-5, atol=1e-5, msg=f"{field}: {what}")
+                assert grads["triton"].dtype == dtype
+                tol = 1e-5 if dtype == torch.float32 else 1e-2
+                torch.testing.assert_close(grads["triton"].float(), grads["torch"].float(), rtol=tol, atol=tol,
+                                           msg=f"d logits: {what}")
+                for field in FIELDS:
+                    assert torch.equal(getattr(got["plan"], field), getattr(want["plan"], field)), f"{field}: {what}"
+                torch.testing.assert_close(got["plan"].scores_R, want["plan"].scores_R.float(), rtol=1e-5, atol=1e-6)
+
+
+CPU_CASES = [(37, 8, 2, False, False), (64, 12, 3, True, True), (5, 3, 3, True, False), (1, 4, 1, False, True)]
+GPU_CASES = CPU_CASES + [(4096, 128, 8, False, True), (1000, 128, 8, True, True), (333, 512, 10, False, True),
+                         (257, 64, 4, True, False), (2048, 256, 16, False, False)]
+
+
+def _interpreter_main() -> None:
+    from tests.helpers import patch_triton_interpreter
+
+    patch_triton_interpreter()
+    check_parity("cpu", CPU_CASES)
+    print("routing interpreter ok")
+
+
+@pytest.mark.slow
+def test_triton_routing_matches_torch_in_the_interpreter():
+    run_in_triton_interpreter("import tests.routing.test_triton_backend as t; t._interpreter_main()",
+                              "routing interpreter ok")
+
+
+@pytest.mark.gpu
+def test_triton_routing_matches_torch_on_gpu(triton_device, poison):
+    check_parity("cuda", GPU_CASES, dtypes=(torch.float32, torch.bfloat16))
+
+
+def test_auto_picks_torch_on_cpu_and_unknown_backends_fail():
+    from sonic.routing import RoutingConfig
+    from sonic.routing.backends import resolve_routing_backend
+
+    assert resolve_routing_backend("auto", torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="routing.backend='triton' cannot run on cpu"):
+        resolve_routing_backend("triton", torch.device("cpu"))
+    with pytest.raises(ValueError, match="routing.backend='fast' is not one of auto, torch, triton"):
+        RoutingConfig(backend="fast")
