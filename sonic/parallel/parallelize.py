@@ -16,7 +16,7 @@ Inside forward, FSDP all-gathers each block's parameters into plain unsharded te
 every kernel backend sees ordinary local tensors.
 
 Expert parallelism (parallel.ep > 1, as torchtitan does it): each MoE block's expert weights
-become DTensors sharded by expert over the `ep` mesh dimension, and FSDP shards them further
+become DTensors sharded by expert over the `ep` mesh dimension (MoE.set_process_groups), and FSDP shards them further
 over `efsdp` (the data-parallel ranks that hold the same experts) on a non-expert dim; every
 other parameter is FSDP over all of dp_shard. The checkpoint then sees full-shape tensors at any
 ep. Tokens reach the experts through sonic/models/dispatch.py's all-to-all.
@@ -28,16 +28,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from sonic import compat
-from sonic.models.dispatch import AllToAllDispatch
 from sonic.models.moe import MoE
 from sonic.parallel.config import ParallelConfig
 from sonic.parallel.distributed import DistInfo
-from sonic.routing import Router
-
-EXPERT_WEIGHTS = ("w1_EFD", "w2_EDN", "b1_EF", "b2_ED")
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -70,20 +66,6 @@ def _placement_fn(shard_size: int, experts_mesh: DeviceMesh | None):
     return placement
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Keep each MoE block's experts [q*E/P, (q+1)*E/P) on ep rank q and route tokens to them
-    by all-to-all; token rounding rounds the ep group's summed counts."""
-    group = ep_mesh.get_group()
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        for name in EXPERT_WEIGHTS:
-            weight = getattr(moe, name)
-            if weight is not None:
-                setattr(moe, name, nn.Parameter(distribute_tensor(weight.detach(), ep_mesh, [Shard(0)],
-                                                                  src_data_rank=None)))
-        moe.dispatch = AllToAllDispatch(group, moe.router.num_experts)
-        moe.router.ep_group = group
-
-
 def checkpointed(i: int, cfg: ParallelConfig) -> bool:
     """Whether block i recomputes its activations in backward."""
     return cfg.activation_checkpoint == "full" or (cfg.activation_checkpoint == "selective"
@@ -107,12 +89,13 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, info: DistInfo) -> nn.Mod
         layers[i] = block
     if info.mesh is None:
         return model
-    for module in model.modules():  # the aux loss counts expert picks over every data-parallel rank
-        if isinstance(module, Router):
-            module.stats_group = dist.group.WORLD
+    # the aux loss counts expert picks over every data-parallel rank; under EP each block keeps
+    # its share of the experts and sends them their tokens over the ep group
+    ep_mesh = info.experts_mesh["ep"] if info.experts_mesh is not None else None
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.set_process_groups(stats_group=dist.group.WORLD, ep_mesh=ep_mesh)
     experts_mesh = None
     if info.experts_mesh is not None:
-        apply_expert_parallel(model, info.experts_mesh["ep"])
         experts_mesh = info.experts_mesh["efsdp" if cfg.dp_replicate == 1 else ("dp_replicate", "efsdp")]
     mesh = info.mesh if cfg.dp_replicate > 1 else info.mesh["dp_shard"]  # 2-D mesh = HSDP
     on_gpu = info.device.type == "cuda"  # bf16 compute on CPU would only be slow and inexact

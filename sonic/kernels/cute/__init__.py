@@ -95,6 +95,18 @@ def check_inputs(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan
                              f"{t.data_ptr() % 16} bytes past a boundary; pass a fresh tensor ({name}.clone())")
 
 
+def forward(*args):
+    from sonic.kernels.cute.function import forward as _forward  # needs cutlass
+
+    return _forward(*args)
+
+
+def backward(*args):
+    from sonic.kernels.cute.function import backward as _backward  # needs cutlass
+
+    return _backward(*args)
+
+
 def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
             b1_EF: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
     reason = unavailable_reason(x_TD.device)

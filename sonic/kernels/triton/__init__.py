@@ -39,6 +39,18 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def forward(*args):
+    from sonic.kernels.triton.function import forward as _forward  # needs triton
+
+    return _forward(*args)
+
+
+def backward(*args):
+    from sonic.kernels.triton.function import backward as _backward  # needs triton
+
+    return _backward(*args)
+
+
 def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
             b1_EF: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
     # the registry checks the rest (unavailable_reason) once; TRITON_INTERPRET=1 runs on the CPU

@@ -1,4 +1,5 @@
-"""The Triton backend's autograd Function and kernel launchers (see gemm.py for the kernels).
+"""The Triton backend's forward / backward (run as the sonic::experts custom op, sonic/kernels/op.py) and
+kernel launchers (see gemm.py for the kernels).
 
 Forward: up-proj (H, A), down-proj (Y), gather-sum (O). Saves X, H and the plan, like
 the reference, so the saved bytes are identical. Backward: dH (dH, A', dS partials),
@@ -13,7 +14,7 @@ import torch
 import triton
 from torch import Tensor
 
-from sonic.kernels import saved
+from sonic.kernels import op
 from sonic.kernels.triton import gemm, tuning
 from sonic.routing.plan import RoutingPlan
 
@@ -156,61 +157,53 @@ def gather_sum(rows_RD: Tensor, plan: RoutingPlan, weight_R: Tensor | None, out_
     return out_TD
 
 
-# ---------------------------------------------------------------- the autograd Function
+# ---------------------------------------------------------------- sonic::experts (sonic/kernels/op.py)
 
-class _SonicMoETriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, *meta):
-        plan = RoutingPlan.from_metadata(scores_R, meta)
-        T, D = x_TD.shape
-        E, F, _ = w1_EFD.shape
-        N, R = F // 2, plan.num_rows
-        key = _key(x_TD, D, N, E)
-        if R == 0:
-            out_TD = x_TD.new_zeros(T, D)
-            h_RF = x_TD.new_empty(0, F)
-        else:
-            maps = _Maps(plan.expert_offsets_E1, R)
-            h_RF, a_RN = up_proj(x_TD, w1_EFD, b1_EF, plan.token_idx_R, maps, key)
-            # Y_e = A_e W2_e^T: B[k, n] = w2[e, n, k]
-            y_RD = varlen_m(a_RN, w2_EDN, 1, N, D, b2_ED, maps, "down", key)
-            del a_RN
-            out_TD = gather_sum(y_RD, plan, scores_R, x_TD.dtype)
-        saved.save(ctx, x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, meta)
-        return out_TD
+def forward(x_TD, w1_EFD, w2_EDN, b1_EF, b2_ED, plan: RoutingPlan) -> tuple[Tensor, Tensor]:
+    T, D = x_TD.shape
+    E, F, _ = w1_EFD.shape
+    N, R = F // 2, plan.num_rows
+    if R == 0:
+        return x_TD.new_zeros(T, D), x_TD.new_empty(0, F)
+    key = _key(x_TD, D, N, E)
+    maps = _Maps(plan.expert_offsets_E1, R)
+    h_RF, a_RN = up_proj(x_TD, w1_EFD, b1_EF, plan.token_idx_R, maps, key)
+    # Y_e = A_e W2_e^T: B[k, n] = w2[e, n, k]
+    y_RD = varlen_m(a_RN, w2_EDN, 1, N, D, b2_ED, maps, "down", key)
+    del a_RN
+    return gather_sum(y_RD, plan, plan.scores_R, x_TD.dtype), h_RF
 
-    @staticmethod
-    def backward(ctx, dout_TD):
-        x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, plan = saved.restore(ctx)
-        scores_R = plan.scores_R
-        T, D = x_TD.shape
-        E, F, _ = w1_EFD.shape
-        N, R = F // 2, plan.num_rows
-        key = _key(x_TD, D, N, E)
-        need = ctx.needs_input_grad
-        dout_TD = dout_TD.to(x_TD.dtype).contiguous()
-        if R == 0:
-            zero = lambda t: None if t is None else torch.zeros_like(t)  # noqa: E731
-            return saved.grads(ctx, torch.zeros_like(x_TD), zero(w1_EFD), zero(w2_EDN), zero(b1_EF), zero(b2_ED),
-                               torch.zeros_like(scores_R))
-        maps = _Maps(plan.expert_offsets_E1, R)
-        tok = plan.token_idx_R
-        dh_RF, aprime_RN, ds_R = dh(dout_TD, tok, scores_R, w2_EDN, b2_ED, h_RF, maps, key)
-        dw2 = db2 = dw1 = db1 = dx_TD = None
-        if need[2] or need[4]:  # dW2_e = dO[pi_e]^T A'_e ; db2_e = sum s * dO[pi_e]
-            dw2, db2 = varlen_k(dout_TD, tok, aprime_RN, None, plan.expert_offsets_E1, w2_EDN.dtype,
-                                weight_R=scores_R if b2_ED is not None else None,
-                                bias_grad=b2_ED is not None, key=key)
-        del aprime_RN
-        if need[0]:  # dX~_e = dH_e W1_e: B[k, n] = w1[e, k, n]
-            dxt_RD = varlen_m(dh_RF, w1_EFD, D, 1, D, None, maps, "dxt", key)
-            dx_TD = gather_sum(dxt_RD, plan, None, x_TD.dtype)
-            del dxt_RD
-        if need[1] or need[3]:  # dW1_e = dH_e^T X[pi_e] ; db1_e = sum dH_e
-            dw1, db1 = varlen_k(dh_RF, None, x_TD, tok, plan.expert_offsets_E1, w1_EFD.dtype,
-                                bias_grad=b1_EF is not None, key=key)
-        return saved.grads(ctx, dx_TD, dw1, dw2, db1 if b1_EF is not None else None,
-                           db2 if b2_ED is not None else None, ds_R.to(scores_R.dtype))
+
+def backward(dout_TD, x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, plan: RoutingPlan, needs) -> tuple:
+    scores_R = plan.scores_R
+    T, D = x_TD.shape
+    E, F, _ = w1_EFD.shape
+    N, R = F // 2, plan.num_rows
+    need_dx, need_dw1, need_dw2, need_db1, need_db2, _ = needs
+    dout_TD = dout_TD.to(x_TD.dtype).contiguous()
+    if R == 0:
+        zero = lambda t: None if t is None else torch.zeros_like(t)  # noqa: E731
+        return (torch.zeros_like(x_TD), zero(w1_EFD), zero(w2_EDN), zero(b1_EF), zero(b2_ED),
+                torch.zeros_like(scores_R))
+    key = _key(x_TD, D, N, E)
+    maps = _Maps(plan.expert_offsets_E1, R)
+    tok = plan.token_idx_R
+    dh_RF, aprime_RN, ds_R = dh(dout_TD, tok, scores_R, w2_EDN, b2_ED, h_RF, maps, key)
+    dw2 = db2 = dw1 = db1 = dx_TD = None
+    if need_dw2 or need_db2:  # dW2_e = dO[pi_e]^T A'_e ; db2_e = sum s * dO[pi_e]
+        dw2, db2 = varlen_k(dout_TD, tok, aprime_RN, None, plan.expert_offsets_E1, w2_EDN.dtype,
+                            weight_R=scores_R if b2_ED is not None else None,
+                            bias_grad=b2_ED is not None, key=key)
+    del aprime_RN
+    if need_dx:  # dX~_e = dH_e W1_e: B[k, n] = w1[e, k, n]
+        dxt_RD = varlen_m(dh_RF, w1_EFD, D, 1, D, None, maps, "dxt", key)
+        dx_TD = gather_sum(dxt_RD, plan, None, x_TD.dtype)
+        del dxt_RD
+    if need_dw1 or need_db1:  # dW1_e = dH_e^T X[pi_e] ; db1_e = sum dH_e
+        dw1, db1 = varlen_k(dh_RF, None, x_TD, tok, plan.expert_offsets_E1, w1_EFD.dtype,
+                            bias_grad=b1_EF is not None, key=key)
+    return (dx_TD, dw1, dw2, db1 if b1_EF is not None else None, db2 if b2_ED is not None else None,
+            ds_R.to(scores_R.dtype))
 
 
 def _check(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan, b1_EF, b2_ED) -> None:
@@ -239,7 +232,7 @@ def _check(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan, b1_E
 def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
             b1_EF: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
     _check(x_TD, w1_EFD, w2_EDN, plan, b1_EF, b2_ED)
-    meta = tuple(m.contiguous() for m in plan.metadata())
     c = lambda t: None if t is None else t.contiguous()  # noqa: E731
-    return _SonicMoETriton.apply(x_TD.contiguous(), w1_EFD.contiguous(), w2_EDN.contiguous(),
-                                 c(b1_EF), c(b2_ED), plan.scores_R.contiguous(), *meta)
+    plan = RoutingPlan.from_metadata(plan.scores_R.contiguous(), tuple(m.contiguous() for m in plan.metadata()))
+    return op.experts(x_TD.contiguous(), w1_EFD.contiguous(), w2_EDN.contiguous(), plan, c(b1_EF), c(b2_ED),
+                      backend="triton")

@@ -1,0 +1,62 @@
+"""torch.compile keeps the whole MoE block in one graph: the experts are one custom op (sonic::experts), the
+routing is traceable, so there is no graph break, and a change in how many rows each expert gets (the
+routing counts) compiles nothing new. On CPU with the reference experts and the torch routing backend."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from sonic.models import MoEConfig
+from sonic.models.moe import MoE
+from sonic.routing import RoutingConfig
+
+D, E, K, T = 32, 8, 2, 64
+
+
+def block(**routing) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(D, MoEConfig(num_experts=E, top_k=K, expert_dim=16, shared_expert_dim=24, kernel_backend="reference",
+                           routing=RoutingConfig(**routing)))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return moe.train()
+
+
+def step(moe, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, routed = moe(x_BSD)
+    loss = out.square().mean() + routed.loss
+    loss.backward()
+    return out.detach(), routed.counts_E, moe.router.weight_ED.grad.clone()
+
+
+@pytest.mark.parametrize("routing", [dict(), dict(order="softmax_topk", renormalize=True, z_loss_coef=0.1)])
+def test_block_compiles_to_one_graph_and_matches_eager(routing):
+    torch._dynamo.reset()
+    eager, compiled = block(**routing), block(**routing)
+    compiled.resolve_backends(torch.device("cpu"))  # as sonic.parallel.build_model does
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(compiled, backend=counter, fullgraph=True)  # fullgraph: a graph break is an error
+    counts = set()
+    for i in range(4):
+        x = torch.randn(2, T // 2, D, generator=torch.Generator().manual_seed(i))
+        x[:, :, i] += 3.0 * i  # skews the routing differently each time
+        for m in (eager, compiled):
+            m.zero_grad()
+        want = step(eager, x)
+        got = _step_compiled(fn, compiled, x)
+        counts.add(tuple(got[1].tolist()))
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-6)
+    assert len(counts) == 4, "the routing counts must change for the test to mean anything"
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs: the changing counts recompiled"
+    names = [str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"]
+    assert any("sonic.experts" in n for n in names), names  # the experts are the custom op, in the graph
+    torch._dynamo.reset()
+
+
+def _step_compiled(fn, moe, x):
+    out, routed = fn(x)
+    (out.square().mean() + routed.loss).backward()
+    return out.detach(), routed.counts_E, moe.router.weight_ED.grad.clone()
