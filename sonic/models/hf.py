@@ -16,6 +16,7 @@ with renormalisation, so it exports as norm_topk_prob=true.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from sonic.kernels.swiglu import deinterleave, interleave
 from sonic.models.config import ModelConfig, MoEConfig
 from sonic.routing.config import RoutingConfig
 
+log = logging.getLogger("sonic")
 ARCHITECTURES = {"olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _ROUTER_STATE = ("ffn.router.balance_residual_E", "ffn.router.balance_pending_E")  # training-only buffers
 
@@ -239,6 +241,65 @@ def import_hf(path: str | Path) -> tuple[ModelConfig, dict[str, Tensor]]:
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     cfg = from_hf_config(hf_config, name=path.name)
     return cfg, from_hf_state_dict(cfg, read_safetensors_dir(path))
+
+
+# Sonic field -> the config.json key it comes from: the fields that change what the model computes
+# (shapes, RoPE, norms, routing). Weight shapes are checked again on load; rope_theta, norm_eps,
+# top_k and the gate normalisation show in no shape, so a mismatch would load silently.
+_COMPUTE_FIELDS = {
+    "vocab_size": "vocab_size", "dim": "hidden_size", "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "head_size": "head_dim",
+    "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "qk_norm": "model_type",
+    "tie_embeddings": "tie_word_embeddings", "first_k_dense": "mlp_only_layers", "dense_dim": "intermediate_size",
+    "moe.num_experts": "num_experts", "moe.top_k": "num_experts_per_tok",
+    "moe.expert_dim": "moe_intermediate_size or intermediate_size",
+    "moe.shared_expert_dim": "HF MoE models have no shared expert", "moe.expert_bias": "HF experts have no biases",
+    "moe.routing.norm_topk_prob": "norm_topk_prob",
+}
+
+
+def _compute_value(cfg: ModelConfig, field: str):
+    if field == "moe.routing.norm_topk_prob":  # Sonic's two gate orders, as the one HF flag they amount to
+        r = cfg.moe.routing
+        return r.order == "topk_softmax" or r.renormalize
+    if field == "dense_dim" and not cfg.first_k_dense:
+        return 0  # unused without dense layers
+    value = cfg
+    for part in field.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def hf_config_mismatches(path: str | Path, cfg: ModelConfig) -> list[str]:
+    """Each config.json field of the HF directory `path` that changes the computation and differs from
+    `cfg` (model.*), as "model.<field>=<ours> but config.json (<key>) gives <theirs>"; [] for a non-HF path."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        return []  # a Sonic checkpoint or file: its weights come with their own config
+    theirs = from_hf_config(AutoConfig.from_pretrained(str(path), local_files_only=True))
+    out = []
+    for field, key in _COMPUTE_FIELDS.items():
+        ours_v, theirs_v = _compute_value(cfg, field), _compute_value(theirs, field)
+        if ours_v != theirs_v:
+            name = ("model.moe.routing.order/renormalize (K gates renormalised)"
+                    if field == "moe.routing.norm_topk_prob" else f"model.{field}")
+            out.append(f"{name}={ours_v!r} but config.json ({key}) gives {theirs_v!r}")
+    return out
+
+
+def check_init_config(path: str | Path, cfg: ModelConfig, strict: bool = True) -> None:
+    """train.init_from=<HF dir>: refuse (strict) or warn about config.json fields that differ from model.*."""
+    mismatches = hf_config_mismatches(path, cfg)
+    if not mismatches:
+        return
+    message = (f"train.init_from={str(path)!r}: its config.json differs from model={cfg.name} in fields that change "
+               f"the computation:\n  " + "\n  ".join(mismatches) + "\nset those model.* fields to the config.json "
+               f"values, or train.init_from_strict=false to load the weights anyway")
+    if strict:
+        raise ValueError(message)
+    log.warning("%s (train.init_from_strict=false: loading anyway)", message.split("\nset those")[0])
 
 
 def read_safetensors_dir(path: Path) -> dict[str, Tensor]:

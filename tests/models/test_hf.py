@@ -1,4 +1,6 @@
 """HF interop: tiny random OLMoE / Qwen3-MoE models built from transformers config classes (no downloads)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -7,7 +9,8 @@ from transformers import OlmoeConfig, OlmoeForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from sonic.data.tokenizer import ByteTokenizer  # noqa: E402
 from sonic.models import ModelConfig, MoEConfig, Transformer  # noqa: E402
-from sonic.models.hf import export_hf, from_hf_config, import_hf, read_safetensors_dir, to_hf_config  # noqa: E402
+from sonic.models.hf import (check_init_config, export_hf, from_hf_config, hf_config_mismatches, import_hf,  # noqa: E402
+                             read_safetensors_dir, to_hf_config)
 from sonic.models.loading import load_model  # noqa: E402
 from sonic.routing import RoutingConfig  # noqa: E402
 
@@ -175,3 +178,34 @@ def test_hf_config_round_trips_through_sonic():
     for case in ("olmoe", "qwen3"):
         cfg = from_hf_config(CASES[case][1])
         assert from_hf_config(to_hf_config(cfg)) == cfg
+
+
+@pytest.mark.parametrize("case", ["olmoe", "qwen3"])
+def test_init_from_config_check_lists_every_field_that_changes_the_computation(case, tmp_path):
+    cls, config = CASES[case]
+    random_hf(cls, config).save_pretrained(tmp_path / "hf")
+    cfg = from_hf_config(config)
+    assert hf_config_mismatches(tmp_path / "hf", cfg) == []
+    check_init_config(tmp_path / "hf", cfg)  # the matching model.* passes
+    routing = cfg.moe.routing
+    wrong = dataclasses.replace(cfg, rope_theta=cfg.rope_theta * 2, norm_eps=cfg.norm_eps * 10, moe=dataclasses.replace(
+        cfg.moe, top_k=cfg.moe.top_k - 1,
+        routing=dataclasses.replace(routing, renormalize=not routing.renormalize)))  # token_rounding's switch
+    found = hf_config_mismatches(tmp_path / "hf", wrong)
+    assert [m.split("=")[0] for m in found] == [
+        "model.rope_theta", "model.norm_eps", "model.moe.top_k", "model.moe.routing.order/renormalize (K gates "
+        "renormalised)"]
+    assert f"model.rope_theta={wrong.rope_theta!r} but config.json (rope_theta) gives {cfg.rope_theta!r}" in found
+    with pytest.raises(ValueError, match="init_from_strict=false") as err:
+        check_init_config(tmp_path / "hf", wrong)
+    assert all(m in str(err.value) for m in found)
+
+
+def test_init_from_config_check_only_warns_when_not_strict(tmp_path, caplog):
+    cls, config = CASES["olmoe"]
+    random_hf(cls, config).save_pretrained(tmp_path / "hf")
+    wrong = dataclasses.replace(from_hf_config(config), rope_theta=123.0)
+    with caplog.at_level("WARNING", logger="sonic"):
+        check_init_config(tmp_path / "hf", wrong, strict=False)
+    assert "model.rope_theta=123.0 but config.json (rope_theta) gives 5000.0" in caplog.text
+    assert hf_config_mismatches(tmp_path / "missing", wrong) == []  # not an HF directory: nothing to compare
