@@ -11,7 +11,7 @@ A claims block is a table between two markers in a markdown file:
 
 Each table is declared below (TABLES): which file each row reads, which record of it (a filter on its
 fields), and which fields the columns show. Each row names its GPU and date, and its numbered note below the
-table gives the file, the record, the commit and the command that produced it. A number in a block is a field
+table gives the file, the records, the commit and the command that produced it. A number in a block is a field
 of the cited record, or a declared function of that record's fields (B tokens/day from tokens/s, a ratio of
 two fields of one record or of two records of one file, causal MFU from the full-attention MFU).
 
@@ -51,7 +51,6 @@ BLOCK = re.compile(r"<!-- claims:(?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /claims
 FIGURE = re.compile(  # a number or a range with a unit; "1.16×" is a ratio, "6 × N" and "2×H200" are not
     r"(?<![\w.])\d+(?:\.\d+)?(?:–\d+(?:\.\d+)?)?"
     r"(?:×(?![A-Za-z0-9])(?!\s*\d)|\s?(?:%|k\b|TFLOPS|TFLOP/s|TF\b|tokens/s|B(?: tokens)?(?:/GPU)?/day|GiB|MiB|ms\b))")
-PEAKS = ("H200", "H100", "H800", "A100", "A800", "L40S", "RTX 4090")
 
 
 class ClaimError(ValueError):
@@ -284,7 +283,8 @@ def e2e(label: str, file: str, run: str) -> Row:
 
 E2E_40L, E2E_40L_MB8 = "2026-11-23-2xh200-e2e-40L.json", "2026-11-23-2xh200-e2e-40L-mb8-noreshard.json"
 E2E_COLUMNS = (
-    Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")), Text("steps (averaged)", "steps_averaged"),
+    Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
+    Text("steps (averaged)", "steps_averaged"),
     Field("k tokens/s/GPU", "tokens_per_s_per_gpu", 1e-3), Field("B tokens/GPU/day", "btokens_per_gpu_day", digits=2),
     CausalMfu("MFU"), Field("MFU, full attention", "mfu", 100, suffix="%"), Field("peak GiB", "peak_mem_gib"))
 LAYER_7B = {"config": "7B"}
@@ -327,14 +327,16 @@ TABLES = (
           "process (the H100 run of the table above); `grouped_mm` is our own torch._grouped_mm backend, not a "
           "peer.", rows=(Row("7B", "bench/results/2026-11-22-h100-moe_layer-7b-final.json", LAYER_7B,
                                             "configs"),),
-          columns=(*(Field(f"{b} TFLOPS", f"backends.{b}.fwdbwd_tf", digits=0) for b in ("cute", "triton", "grouped_mm")),
+          columns=(*(Field(f"{b} TFLOPS", f"backends.{b}.fwdbwd_tf", digits=0)
+                     for b in ("cute", "triton", "grouped_mm")),
                    Ratio("cute ÷ grouped_mm", "backends.cute.fwdbwd_tf", "backends.grouped_mm.fwdbwd_tf"),
                    *(Field(f"{b} held MiB", f"backends.{b}.held_bytes", 2**-20, 0) for b in ("cute", "grouped_mm")))),
     Table("levers", first="rung", caption="`sonic_7b` cut to 8 layers, 4 × 4096 tokens, one H100, one process "
           "(`bench.levers`): each rung adds one change to the rung above it.", rows=tuple(
               Row(lever, "bench/results/2026-11-23-h100-levers.json", {"lever": lever}, "rows")
               for lever in ("before", "+ bf16 router", "+ chunked loss", "+ compile")),
-          columns=(Field("k tokens/s", "tokens_per_s", 1e-3), Ratio("× the rung above", "tokens_per_s", "tokens_per_s", ABOVE),
+          columns=(Field("k tokens/s", "tokens_per_s", 1e-3),
+                   Ratio("× the rung above", "tokens_per_s", "tokens_per_s", ABOVE),
                    Ratio("× before", "tokens_per_s", "tokens_per_s", {"lever": "before"}), CausalMfu("MFU"),
                    Field("MFU, full attention", "mfu", 100, suffix="%"), Field("peak GiB", "peak_mem_gib"))),
     Table("lever_swaps", first="swap", caption="Each swaps one piece of the `+ compile` rung and is measured in "
@@ -364,7 +366,9 @@ def git(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 @lru_cache(maxsize=None)
 def in_history(root: Path, commit: str) -> bool:
-    return bool(re.fullmatch(r"[0-9a-f]{7,40}", commit)) and git(root, "cat-file", "-e", f"{commit}^{{commit}}").returncode == 0
+    if not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+        return False
+    return git(root, "cat-file", "-e", f"{commit}^{{commit}}").returncode == 0
 
 
 @lru_cache(maxsize=None)
@@ -399,7 +403,10 @@ def gpu_label(rec: Record) -> str:
     if not device:
         raise ClaimError(f"{rec.file} {rec.label()}: no gpu or device recorded")
     count = rec.get("num_gpus") or (int(m.group(1)) if (m := re.match(r"\s*(\d+)\s*x\s", device)) else 1)
-    name = next((p for p in PEAKS if p in device), "CPU" if device.lower().startswith("cpu") else device)
+    from sonic.train.metrics import PEAK_BF16_FLOPS  # noqa: PLC0415 - the GPU names MFU knows
+
+    name = next((key for key, _ in PEAK_BF16_FLOPS if key in device), "CPU" if device.lower().startswith("cpu")
+                else device)
     return f"{count}×{name}" if count > 1 else name
 
 
@@ -410,14 +417,15 @@ def date_of(rec: Record) -> str:
     return str(date)[:10]
 
 
-def note(root: Path, rec: Record) -> str:
+def source(root: Path, rec: Record) -> tuple[str, str]:
+    """(file, what else the note says: commit and command): rows with the same source share a note."""
     if rec.file == PAPER_SOURCE:
-        return f"`{rec.file}`, typed from the paper (arXiv 2512.14080), each value citing it"
+        return rec.file, "typed from the paper (arXiv 2512.14080), each value citing it"
     command = rec.get("command")
     if not command:
         raise ClaimError(f"{rec.file} {rec.label()}: no command recorded; a claim needs the command that produced "
                          f"it (re-run and commit the result, or drop the row)")
-    return f"`{rec.file}`; {provenance(root, rec.file, rec.get('commit'))}; command: `{command}`"
+    return rec.file, f"{provenance(root, rec.file, rec.get('commit'))}; command: `{command}`"
 
 
 def render_table(root: Path, table: Table) -> str:
@@ -425,19 +433,21 @@ def render_table(root: Path, table: Table) -> str:
     header = [table.first, *(c.header for c in table.columns), "GPU", "date", "note"]
     lines = ([table.caption, ""] if table.caption else []) + [
         "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    notes: list[str] = []
+    notes: dict[tuple[str, str], list[str]] = {}  # source -> the records cited from it
     above = None
     for row in table.rows:
         rec = select(root, row.file, row.records, row.where)
         cells = [c.cell(rec, Where(root, row, above)) for c in table.columns]
         above = rec
-        text = note(root, rec)
-        if text not in notes:
-            notes.append(text)
+        cited = notes.setdefault(source(root, rec), [])
+        if rec.label() not in cited:
+            cited.append(rec.label())
         gpu = "64×H100" if rec.file == PAPER_SOURCE else gpu_label(rec)
         date = "2025 (arXiv 2512.14080)" if rec.file == PAPER_SOURCE else date_of(rec)
-        lines.append("| " + " | ".join([row.label, *cells, gpu, date, str(notes.index(text) + 1)]) + " |")
-    lines += ["", *(f"{i}. {n}" for i, n in enumerate(notes, 1))]
+        number = list(notes).index(source(root, rec)) + 1
+        lines.append("| " + " | ".join([row.label, *cells, gpu, date, str(number)]) + " |")
+    lines.append("")
+    lines += [f"{i}. `{file}` ({'; '.join(records)}); {rest}" for i, ((file, rest), records) in enumerate(notes.items(), 1)]
     return "\n".join(lines) + "\n"
 
 

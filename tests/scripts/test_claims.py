@@ -80,8 +80,8 @@ def test_check_passes_on_rendered_docs_and_names_each_wrong_number(repo):
     assert "| run | k tokens/s | × base | × above | MFU | MFU, full | ≤ 2 | micro-batch | GPU | date | note |" in text
     assert f"| base | 1.00 | 1.00× | 1.00× | {100 * causal:.1f}% | 30.0% | 2 / 3 | 8 | H100 | 2026-01-02 | 1 |" in text
     assert "| fast | 1.50 | 1.50× | 1.50× | 40.0% | 45.0% | 2 / 3 | 8 | H100 | 2026-01-02 | 1 |" in text  # logged
-    assert (f"1. `bench/results/r.json`; commit `{added}` (it added the file; the file records no commit); "
-            f"command: `{RESULT['command']}`") in text
+    assert (f"1. `bench/results/r.json` (run=base; run=fast); commit `{added}` (it added the file; the file records "
+            f"no commit); command: `{RESULT['command']}`") in text
     commit_all(repo, "docs")
     assert run_check(repo) == []
 
@@ -107,13 +107,12 @@ def test_a_result_without_a_command_cannot_be_cited(repo):
 def test_commits_cite_the_recorded_one_or_the_one_that_added_the_file(repo):
     first = git(repo, "rev-parse", "--short", "HEAD").strip()
     write_result(repo, {**RESULT, "commit": first})
-    later = commit_all(repo, "the file records the commit it measured")
+    commit_all(repo, "the file records the commit it measured")
     assert f"commit `{first}`; command" in render(repo)
     write_result(repo, {**RESULT, "commit": "4ac9a09"})  # a commit rewritten away before merging
     commit_all(repo, "a commit not in the history")
     text = render(repo)
     assert f"commit `{first}` (it added the file; its recorded commit 4ac9a09 is not in the history)" in text
-    assert later != first
     commit_all(repo, "docs")
     assert run_check(repo) == []
     (repo / "README.md").write_text(text.replace(f"commit `{first}`", "commit `4ac9a09`"))
