@@ -6,12 +6,12 @@
 A claims block is a table between two markers in a markdown file:
 
   <!-- claims:e2e_40l -->
-  ...rendered from TABLES["e2e_40l"]: one row per result record, its GPU, date and a numbered source...
+  ...rendered from TABLES["e2e_40l"]: one row per result record, its GPU, date, commit and a numbered note...
   <!-- /claims:e2e_40l -->
 
 Each table is declared below (TABLES): which file each row reads, which record of it (a filter on its
-fields), and which fields the columns show. Each row names its GPU and date, and its numbered note below the
-table gives the file, the records, the commit and the command that produced it. A number in a block is a field
+fields), and which fields the columns show. Each row names its GPU, date and commit, and its numbered note
+below the table gives the file, the records, the commit and the command that produced them. A number in a block is a field
 of the cited record, or a declared function of that record's fields (B tokens/day from tokens/s, a ratio of
 two fields of one record or of two records of one file, causal MFU from the full-attention MFU).
 
@@ -296,7 +296,7 @@ TABLES = (
                    Field("B tokens/day (job)", "btokens_per_day", digits=0)),
           first="source", caption="The 40-layer 7B model at micro-batch 4 × 4096 tokens per GPU, on H100s."),
     Table("e2e_40l", columns=E2E_COLUMNS, caption="The 40-layer `sonic_7b`, real trainer, FSDP-2, offline BPE "
-          "text (`data=local_bpe`); steady-state means over the steps named (the first 20 are warm-up).", rows=(
+          "text (`data=local_bpe`); steady-state means over the steps named (the warm-up steps before them are left out).", rows=(
               e2e("recipe (defaults)", E2E_40L, "triton_40L"),
               e2e("+ `parallel.reshard_after_forward=false`", E2E_40L, "triton_noreshard_40L"),
               e2e("+ `train.micro_batch_size=8`", E2E_40L, "triton_mb8_40L"),
@@ -382,16 +382,22 @@ def is_shallow(root: Path) -> bool:
     return git(root, "rev-parse", "--is-shallow-repository").stdout.strip() == "true"
 
 
-def provenance(root: Path, file: str, recorded: str | None) -> str:
-    """The words citing the commit a result file's numbers come from: the commit it records, if that is
-    in the history; else the commit that added the file, saying why."""
+def cited_commit(root: Path, file: str, recorded: str | None) -> tuple[str, str]:
+    """(commit, why): the commit a result file's numbers are cited at: the one it records, if that is in
+    the history; else the one that added the file, and why ('' for a recorded commit)."""
     if recorded and in_history(root, recorded):
-        return f"commit `{recorded}`"
+        return recorded, ""
     added = added_in(root, file)
     if added is None:
         raise ClaimError(f"{file} is not committed: commit the result file, then render")
     why = f"its recorded commit {recorded} is not in the history" if recorded else "the file records no commit"
-    return f"commit `{added}` (it added the file; {why})"
+    return added, f"it added the file; {why}"
+
+
+def provenance(root: Path, file: str, recorded: str | None) -> str:
+    """The words citing that commit, e.g. "commit `05b39f4` (it added the file; the file records no commit)"."""
+    commit, why = cited_commit(root, file, recorded)
+    return f"commit `{commit}`" + (f" ({why})" if why else "")
 
 
 # --------------------------------------------------------------------------- rendering
@@ -430,7 +436,7 @@ def source(root: Path, rec: Record) -> tuple[str, str]:
 
 def render_table(root: Path, table: Table) -> str:
     """The block body: caption, the table (label, cells, GPU, date, note number), the numbered notes."""
-    header = [table.first, *(c.header for c in table.columns), "GPU", "date", "note"]
+    header = [table.first, *(c.header for c in table.columns), "GPU", "date", "commit", "note"]
     lines = ([table.caption, ""] if table.caption else []) + [
         "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes: dict[tuple[str, str], list[str]] = {}  # source -> the records cited from it
@@ -444,8 +450,9 @@ def render_table(root: Path, table: Table) -> str:
             cited.append(rec.label())
         gpu = "64×H100" if rec.file == PAPER_SOURCE else gpu_label(rec)
         date = "2025 (arXiv 2512.14080)" if rec.file == PAPER_SOURCE else date_of(rec)
+        commit = "–" if rec.file == PAPER_SOURCE else f"`{cited_commit(root, rec.file, rec.get('commit'))[0]}`"
         number = list(notes).index(source(root, rec)) + 1
-        lines.append("| " + " | ".join([row.label, *cells, gpu, date, str(number)]) + " |")
+        lines.append("| " + " | ".join([row.label, *cells, gpu, date, commit, str(number)]) + " |")
     lines.append("")
     lines += [f"{i}. `{file}` ({'; '.join(records)}); {rest}" for i, ((file, rest), records) in enumerate(notes.items(), 1)]
     return "\n".join(lines) + "\n"
@@ -513,7 +520,8 @@ def compare_block(doc: str, name: str, have: str, want: str, table: Table) -> li
 
 
 def cited_commits(body: str) -> list[str]:
-    return re.findall(r"commit `([0-9a-f]{7,40})`", body)
+    """The commits a block cites: in its notes ("commit `abc1234`") and its rows' commit column."""
+    return re.findall(r"(?:commit |\| )`([0-9a-f]{7,40})` ", body)
 
 
 def cited_files(body: str) -> list[str]:
@@ -563,7 +571,7 @@ def check(root: Path, specs: dict[str, Table], docs=DOCS, sections=CLAIM_SECTION
         if (root / doc).is_file():
             problems += [f"{doc}{' ' + heading if heading else ''}: prose types the figure {fig!r}; put it in a "
                          f"claims table and cite the row" for fig in prose_figures((root / doc).read_text(), heading)]
-    return problems
+    return list(dict.fromkeys(problems))  # a commit cited in a row and its note is one problem
 
 
 def main(argv=None) -> int:

@@ -77,9 +77,11 @@ def test_check_passes_on_rendered_docs_and_names_each_wrong_number(repo):
     text = render(repo)
     added = git(repo, "rev-parse", "--short", "HEAD").strip()
     causal = 0.30 * claims.causal_share("sonic_7b", 8, 4096)  # derived: the file has no mfu_causal for this run
-    assert "| run | k tokens/s | × base | × above | MFU | MFU, full | ≤ 2 | micro-batch | GPU | date | note |" in text
-    assert f"| base | 1.00 | 1.00× | 1.00× | {100 * causal:.1f}% | 30.0% | 2 / 3 | 8 | H100 | 2026-01-02 | 1 |" in text
-    assert "| fast | 1.50 | 1.50× | 1.50× | 40.0% | 45.0% | 2 / 3 | 8 | H100 | 2026-01-02 | 1 |" in text  # logged
+    assert "| run | k tokens/s | × base | × above | MFU | MFU, full | ≤ 2 | micro-batch | GPU | date | commit | note |" \
+        in text
+    assert (f"| base | 1.00 | 1.00× | 1.00× | {100 * causal:.1f}% | 30.0% | 2 / 3 | 8 | H100 | 2026-01-02 | `{added}` "
+            "| 1 |") in text
+    assert f"| fast | 1.50 | 1.50× | 1.50× | 40.0% | 45.0% | 2 / 3 | 8 | H100 | 2026-01-02 | `{added}` | 1 |" in text
     assert (f"1. `bench/results/r.json` (run=base; run=fast); commit `{added}` (it added the file; the file records "
             f"no commit); command: `{RESULT['command']}`") in text
     commit_all(repo, "docs")
@@ -115,8 +117,11 @@ def test_commits_cite_the_recorded_one_or_the_one_that_added_the_file(repo):
     assert f"commit `{first}` (it added the file; its recorded commit 4ac9a09 is not in the history)" in text
     commit_all(repo, "docs")
     assert run_check(repo) == []
-    (repo / "README.md").write_text(text.replace(f"commit `{first}`", "commit `4ac9a09`"))
-    assert "README.md claims:speed: commit 4ac9a09 is not in the git history" in run_check(repo)
+    (repo / "README.md").write_text(text.replace(f"`{first}`", "`4ac9a09`"))  # in the rows and the note
+    problems = run_check(repo)
+    assert "README.md claims:speed: commit 4ac9a09 is not in the git history" in problems
+    assert f"README.md claims:speed, row 'base', column 'commit': the doc says '`4ac9a09`', its result file gives " \
+           f"'`{first}`'" in problems
 
 
 def test_an_uncommitted_result_file_is_refused(tmp_path):
