@@ -296,7 +296,8 @@ TABLES = (
                    Field("B tokens/day (job)", "btokens_per_day", digits=0)),
           first="source", caption="The 40-layer 7B model at micro-batch 4 × 4096 tokens per GPU, on H100s."),
     Table("e2e_40l", columns=E2E_COLUMNS, caption="The 40-layer `sonic_7b`, real trainer, FSDP-2, offline BPE "
-          "text (`data=local_bpe`); steady-state means over the steps named (the warm-up steps before them are left out).", rows=(
+          "text (`data=local_bpe`); steady-state means over the steps named (the warm-up steps before them are "
+          "left out).", rows=(
               e2e("recipe (defaults)", E2E_40L, "triton_40L"),
               e2e("+ `parallel.reshard_after_forward=false`", E2E_40L, "triton_noreshard_40L"),
               e2e("+ `train.micro_batch_size=8`", E2E_40L, "triton_mb8_40L"),
