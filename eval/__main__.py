@@ -30,7 +30,8 @@ def run(cfg: EvalConfig) -> Path:
                        bootstrap_iters=cfg.bootstrap_iters, seed=cfg.seed)
     source = Path(cfg.checkpoint)
     default_out = source / "eval" if source.is_dir() else source.with_name(source.name + ".eval")
-    meta = {"checkpoint": cfg.checkpoint, "tasks": cfg.tasks, "limit": cfg.limit, "num_fewshot": cfg.num_fewshot,
+    meta = {"checkpoint": cfg.checkpoint, "evaluated": lm.checkpoint_path, "step": lm.checkpoint_step,
+            "tasks": cfg.tasks, "limit": cfg.limit, "num_fewshot": cfg.num_fewshot,
             "device": str(lm.device), "precision": cfg.precision}
     json_path, md_path = write_results(results, Path(cfg.output_dir) if cfg.output_dir else default_out, meta)
     print(markdown(results))

@@ -4,8 +4,14 @@ Why no attention mask: every batch is right-padded, and attention is causal, so 
 ever sits after the tokens that are scored. Routing is per token (top-K in eval mode), so pad
 tokens cannot change the experts a real token gets either: batched scores equal unbatched ones.
 
-Every request is prefixed with the EOS token: packing separates training documents with EOS,
-so that is how the model has seen the start of a document.
+The EOS convention, the same as lm-eval's HF wrapper on an exported model (`lm_eval --model hf`;
+tests/eval/test_lm.py checks that both give the same log-likelihoods):
+- text is encoded plain: no special token is added to a context, a continuation or a prompt;
+- a request with an empty context, and each rolling window's start, is conditioned on EOS alone.
+EOS is what precedes every document in training (packing separates documents with it), so it is
+the one prefix the model knows; the exported tokenizer names it as its BOS too, which is the token
+lm-eval's HF wrapper prefixes (sonic.models.hf.hf_tokenizer). A non-empty context is not prefixed,
+because the HF wrapper does not prefix it either.
 """
 from __future__ import annotations
 
@@ -40,11 +46,13 @@ class SonicLM(LM):
         self.batch_size = _positive_int("batch_size", batch_size)
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
         origin = "the in-memory model"
+        self.checkpoint_path, self.checkpoint_step = None, None  # what was evaluated (results.json names them)
         if checkpoint is not None:
             from sonic.models.loading import load_model
 
             loaded = load_model(checkpoint, device=_device(device), kernel_backend=kernel_backend)
             model, origin = loaded.model, f"checkpoint {loaded.path}"
+            self.checkpoint_path, self.checkpoint_step = str(loaded.path), loaded.step
             tokenizer = loaded.tokenizer if tokenizer is None else tokenizer
         if tokenizer is None or isinstance(tokenizer, str):
             tokenizer = _tokenizer(tokenizer, origin)
@@ -108,7 +116,7 @@ class SonicLM(LM):
             order = sorted(members, key=lambda i: -len(requests[i].args[0]))
             for start in range(0, len(order), self.batch_size):
                 batch = order[start:start + self.batch_size]
-                contexts = [[self.eos] + self.tokenizer.encode(requests[i].args[0]) for i in batch]
+                contexts = [self.tokenizer.encode(requests[i].args[0]) or [self.eos] for i in batch]
                 for i, text in zip(batch, self._generate(contexts, max_new, until, temperature)):
                     results[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -117,13 +125,17 @@ class SonicLM(LM):
     # --- scoring ------------------------------------------------------------------------
 
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Context and continuation tokens; trailing context spaces move to the continuation (as HFLM)."""
+        """Context and continuation tokens, as lm-eval's HFLM splits them: trailing context spaces move to
+        the continuation; an empty context becomes EOS (unless the continuation itself starts with EOS)."""
+        if not context:
+            tokens = self.tokenizer.encode(continuation)
+            return ([self.eos], tokens) if tokens[:1] != [self.eos] else (tokens[:1], tokens[1:])
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
         whole = self.tokenizer.encode(context + continuation)
         n_context = len(self.tokenizer.encode(context))
-        return [self.eos] + whole[:n_context], whole[n_context:]
+        return whole[:n_context], whole[n_context:]
 
     @torch.no_grad()
     def _logprobs(self, rows: list[list[int]]) -> Tensor:

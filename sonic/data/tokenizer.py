@@ -42,12 +42,6 @@ class ByteTokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
-    def save_pretrained(self, directory: str):
-        """Writes the equivalent HF ByT5 tokenizer (same ids) so exported checkpoints load with AutoTokenizer."""
-        from transformers import ByT5Tokenizer
-
-        return ByT5Tokenizer(extra_ids=0).save_pretrained(directory)
-
 
 class HFTokenizer:
     """A transformers tokenizer with plain-text `encode`; `.hf` is the wrapped tokenizer."""
@@ -76,9 +70,6 @@ class HFTokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
-
-    def save_pretrained(self, directory: str):
-        return self.hf.save_pretrained(directory)
 
 
 def load_tokenizer(name: str, cache_dir: str = DEFAULT_CACHE_DIR) -> ByteTokenizer | HFTokenizer:

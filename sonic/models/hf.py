@@ -16,6 +16,7 @@ with renormalisation, so it exports as norm_topk_prob=true.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from sonic.kernels.swiglu import deinterleave, interleave
 from sonic.models.config import ModelConfig, MoEConfig
 from sonic.routing.config import RoutingConfig
 
+log = logging.getLogger("sonic")
 ARCHITECTURES = {"olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _ROUTER_STATE = ("ffn.router.balance_residual_E", "ffn.router.balance_pending_E")  # training-only buffers
 
@@ -126,8 +128,9 @@ def export_hf(model_or_state: torch.nn.Module | dict[str, Tensor], cfg: ModelCon
     from safetensors.torch import save_file
 
     state = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
-    hf_config = to_hf_config(cfg, eos_token_id=getattr(tokenizer, "eos_token_id", None),
-                             pad_token_id=getattr(tokenizer, "pad_token_id", None))
+    eos = getattr(tokenizer, "eos_token_id", None)  # also the BOS: see hf_tokenizer
+    hf_config = to_hf_config(cfg, eos_token_id=eos, pad_token_id=getattr(tokenizer, "pad_token_id", None),
+                             bos_token_id=eos)
     tensors = to_hf_state_dict(cfg, state)
     dtype = dtype or next(iter(tensors.values())).dtype
     tensors = {k: (v.to("cpu", dtype) if v.is_floating_point() else v.cpu()).contiguous() for k, v in tensors.items()}
@@ -137,8 +140,74 @@ def export_hf(model_or_state: torch.nn.Module | dict[str, Tensor], cfg: ModelCon
     hf_config.save_pretrained(out)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
+        save_tokenizer(tokenizer, out)
     return out
+
+
+# GPT-2's byte -> printable character table (tokenizers' ByteLevel alphabet): the byte tokenizer's
+# vocabulary as a fast tokenizer, byte b -> id b + 3 like Sonic's ByteTokenizer (ByT5's id layout).
+def _byte_chars() -> dict[int, str]:
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
+
+
+def _byte_tokenizer():
+    """Sonic's byte tokenizer as a transformers fast tokenizer: the same ids, and no special tokens added.
+
+    Not ByT5Tokenizer: its encode appends </s> to every text, and lm-eval's HF wrapper encodes with
+    the tokenizer's defaults, so every context and continuation it scored ended in a stray </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {"<pad>": 0, "</s>": 1, "<unk>": 2}  # ByteTokenizer's pad, eos, unk
+    vocab = {**specials, **{c: b + len(specials) for b, c in _byte_chars().items()}}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: one token per byte
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def hf_tokenizer(tokenizer):
+    """The transformers tokenizer an export ships: it encodes text exactly as Sonic's `encode` does.
+
+    Sonic never adds special tokens to text (packing inserts EOS between documents itself) and reads
+    "</s>" in a text as characters, so the exported tokenizer's plain `encode(text)`, which is what
+    lm-eval's HF wrapper and most users call, must do the same: no BOS/EOS added, special tokens split.
+    Its BOS is set to the EOS token, because EOS is what precedes a document in training: lm-eval
+    conditions an empty context on BOS, so both evaluators prefix the same token (eval/lm.py)."""
+    import copy
+
+    if getattr(tokenizer, "hf", None) is not None:
+        hf = copy.deepcopy(tokenizer.hf)
+    elif getattr(tokenizer, "name", None) == "byte":
+        hf = _byte_tokenizer()
+    else:
+        raise ValueError(f"export_hf(tokenizer={type(tokenizer).__name__}): pass a Sonic tokenizer "
+                         f"(sonic.data.build_tokenizer), which knows how the run encoded its text")
+    for flag in ("add_bos_token", "add_eos_token"):  # Llama-style tokenizers rebuild their post-processor from these
+        if getattr(hf, flag, False):
+            setattr(hf, flag, False)
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is not None:
+        backend.post_processor = None  # e.g. a TemplateProcessing that wraps every text in <s> ... </s>
+    hf.split_special_tokens = True
+    hf.init_kwargs["split_special_tokens"] = True  # what save_pretrained writes
+    hf.bos_token = hf.eos_token
+    return hf
+
+
+def save_tokenizer(tokenizer, out_dir: Path) -> None:
+    """Write hf_tokenizer(tokenizer) and check that the saved files load and encode text as Sonic does."""
+    from transformers import AutoTokenizer
+
+    hf_tokenizer(tokenizer).save_pretrained(str(out_dir))
+    reloaded = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
+    probe = "Kit is a red fox. </s> 7 x 6 = 42\n"
+    if reloaded.encode(probe) != list(tokenizer.encode(probe)) or reloaded.bos_token_id != tokenizer.eos_token_id:
+        raise ValueError(f"the tokenizer written to {out_dir} encodes text differently from the run's tokenizer "
+                         f"(it adds or parses special tokens: {reloaded.encode(probe)[:8]}... vs "
+                         f"{list(tokenizer.encode(probe))[:8]}...); export with --tokenizer naming a plain tokenizer")
 
 
 # --------------------------------------------------------------------------- import
@@ -239,6 +308,65 @@ def import_hf(path: str | Path) -> tuple[ModelConfig, dict[str, Tensor]]:
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     cfg = from_hf_config(hf_config, name=path.name)
     return cfg, from_hf_state_dict(cfg, read_safetensors_dir(path))
+
+
+# Sonic field -> the config.json key it comes from: the fields that change what the model computes
+# (shapes, RoPE, norms, routing). Weight shapes are checked again on load; rope_theta, norm_eps,
+# top_k and the gate normalisation show in no shape, so a mismatch would load silently.
+_COMPUTE_FIELDS = {
+    "vocab_size": "vocab_size", "dim": "hidden_size", "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "head_size": "head_dim",
+    "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "qk_norm": "model_type",
+    "tie_embeddings": "tie_word_embeddings", "first_k_dense": "mlp_only_layers", "dense_dim": "intermediate_size",
+    "moe.num_experts": "num_experts", "moe.top_k": "num_experts_per_tok",
+    "moe.expert_dim": "moe_intermediate_size or intermediate_size",
+    "moe.shared_expert_dim": "HF MoE models have no shared expert", "moe.expert_bias": "HF experts have no biases",
+    "moe.routing.norm_topk_prob": "norm_topk_prob",
+}
+
+
+def _compute_value(cfg: ModelConfig, field: str):
+    if field == "moe.routing.norm_topk_prob":  # Sonic's two gate orders, as the one HF flag they amount to
+        r = cfg.moe.routing
+        return r.order == "topk_softmax" or r.renormalize
+    if field == "dense_dim" and not cfg.first_k_dense:
+        return 0  # unused without dense layers
+    value = cfg
+    for part in field.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def hf_config_mismatches(path: str | Path, cfg: ModelConfig) -> list[str]:
+    """Each config.json field of the HF directory `path` that changes the computation and differs from
+    `cfg` (model.*), as "model.<field>=<ours> but config.json (<key>) gives <theirs>"; [] for a non-HF path."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        return []  # a Sonic checkpoint or file: its weights come with their own config
+    theirs = from_hf_config(AutoConfig.from_pretrained(str(path), local_files_only=True))
+    out = []
+    for field, key in _COMPUTE_FIELDS.items():
+        ours_v, theirs_v = _compute_value(cfg, field), _compute_value(theirs, field)
+        if ours_v != theirs_v:
+            name = ("model.moe.routing.order/renormalize (K gates renormalised)"
+                    if field == "moe.routing.norm_topk_prob" else f"model.{field}")
+            out.append(f"{name}={ours_v!r} but config.json ({key}) gives {theirs_v!r}")
+    return out
+
+
+def check_init_config(path: str | Path, cfg: ModelConfig, strict: bool = True) -> None:
+    """train.init_from=<HF dir>: refuse (strict) or warn about config.json fields that differ from model.*."""
+    mismatches = hf_config_mismatches(path, cfg)
+    if not mismatches:
+        return
+    message = (f"train.init_from={str(path)!r}: its config.json differs from model={cfg.name} in fields that change "
+               f"the computation:\n  " + "\n  ".join(mismatches) + "\nset those model.* fields to the config.json "
+               f"values, or train.init_from_strict=false to load the weights anyway")
+    if strict:
+        raise ValueError(message)
+    log.warning("%s (train.init_from_strict=false: loading anyway)", message.split("\nset those")[0])
 
 
 def read_safetensors_dir(path: Path) -> dict[str, Tensor]:

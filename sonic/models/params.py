@@ -40,6 +40,37 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
                        embedding=embed if not cfg.tie_embeddings else 0)
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * active matmul params + attention (PaLM's 12*L*H*Hd*S)."""
-    return 6 * param_counts(cfg).active_matmul + 12 * cfg.num_layers * cfg.num_heads * cfg.head_size * seq_len
+@dataclass(frozen=True)
+class TrainingFlops:
+    """Training FLOPs per token (forward + backward), split so MFU can count attention either way.
+
+    matmul: 6 x active matmul parameters (2 forward + 4 backward per weight and token; Kaplan's 6N).
+    attention: QK^T and PV over the whole S x S score matrix, 4*S*H*hd per layer forward, x3 with the
+    backward: 12*L*H*hd*S (PaLM's count). A causal mask computes only the lower triangle, so the work
+    actually needed is half of it; `causal` counts that (as the paper and torchtitan's fixed
+    accounting do), `full` the PaLM figure. docs/performance.md works both out for sonic_7b.
+    """
+
+    matmul: float
+    attention: float
+
+    @property
+    def causal(self) -> float:
+        return self.matmul + self.attention / 2
+
+    @property
+    def full(self) -> float:
+        return self.matmul + self.attention
+
+
+def training_flops(cfg: ModelConfig, seq_len: int) -> TrainingFlops:
+    """Training FLOPs per token of `cfg` at sequence length `seq_len` (see TrainingFlops)."""
+    return TrainingFlops(matmul=6 * param_counts(cfg).active_matmul,
+                         attention=12 * cfg.num_layers * cfg.num_heads * cfg.head_size * seq_len)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:
+    """Training FLOPs per token: 6 * active matmul params + attention, the full S x S attention
+    (PaLM's 12*L*H*Hd*S, the `mfu` metric) or its causal half (`mfu_causal`, the headline)."""
+    flops = training_flops(cfg, seq_len)
+    return flops.causal if causal else flops.full

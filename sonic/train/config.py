@@ -37,6 +37,7 @@ class TrainConfig:
     progress: bool = True  # progress bar on rank 0
     peak_tflops: float = 0.0  # per-GPU peak for MFU; 0 = look it up from the GPU name
     init_from: str | None = None  # start (not resume) from these weights: a Sonic checkpoint, file or HF directory
+    init_from_strict: bool = True  # HF init_from: config.json fields that change the computation must match model.*
     lm_eval_every: int = 0  # lm-eval tasks every N steps (and at the end); 0 disables
     lm_eval_tasks: list[str] = field(default_factory=lambda: ["sonic_world"])
     lm_eval_limit: int | None = None  # examples per task; None = all

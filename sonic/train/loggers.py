@@ -22,8 +22,8 @@ class WandbConfig:
             raise ValueError(f"wandb.mode={self.mode!r} is not one of {', '.join(WANDB_MODES)}")
 
 
-CONSOLE_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s_per_gpu", "btokens_per_day", "mfu",
-                "mem_peak_gib", "aux_loss")
+CONSOLE_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s_per_gpu", "btokens_per_day", "mfu_causal",
+                "mfu", "mem_peak_gib", "aux_loss")
 
 
 class MetricLogger:

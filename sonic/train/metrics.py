@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sonic.models.params import TrainingFlops
 from sonic.parallel import all_reduce_
 
 # Dense bf16 tensor-core peak per GPU (FLOP/s), matched against the device name.
@@ -29,15 +30,20 @@ def peak_flops(device: torch.device, override_tflops: float = 0.0) -> float | No
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
-def speed_metrics(tokens_per_s_per_gpu: float, world_size: int, flops_per_token: float, peak: float | None,
+def speed_metrics(tokens_per_s_per_gpu: float, world_size: int, flops: TrainingFlops, peak: float | None,
                   device: torch.device) -> dict[str, float]:
     """Per GPU: tokens/s, MFU and the peak memory of the fullest GPU; for the whole job:
-    tokens/s and billion tokens/day (the paper's unit)."""
+    tokens/s and billion tokens/day (the paper's unit).
+
+    Two MFUs: `mfu_causal` counts the attention a causal mask needs (half the score matrix), the
+    headline figure; `mfu` counts the full S x S attention (PaLM's formula), as every result file
+    before it did. docs/performance.md has the formula and a worked example."""
     tokens_per_s = tokens_per_s_per_gpu * world_size
     out = {"tokens_per_s_per_gpu": tokens_per_s_per_gpu, "tokens_per_s": tokens_per_s,
            "btokens_per_day": tokens_per_s * 86400 / 1e9}
     if peak:
-        out["mfu"] = tokens_per_s_per_gpu * flops_per_token / peak
+        out["mfu_causal"] = tokens_per_s_per_gpu * flops.causal / peak
+        out["mfu"] = tokens_per_s_per_gpu * flops.full / peak
     if device.type == "cuda":
         mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
         out["mem_peak_gib"] = all_reduce_(mem, "max").item()

@@ -18,7 +18,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from sonic import compat
 from sonic.data import build_loaders, build_tokenizer
 from sonic.kernels import resolve_backend
-from sonic.models import Transformer, flops_per_token, param_counts
+from sonic.models import Transformer, param_counts, training_flops
+from sonic.models.hf import check_init_config
 from sonic.models.loading import load_model
 from sonic.parallel import (PreemptionGuard, all_reduce_, build_model, init_distributed, load_full_state_dict,
                             memory_after_init, set_gradient_sync)
@@ -92,6 +93,7 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
     # Built on meta, sharded, then each rank initialises only its shards: no rank holds the full model.
     model = build_model(cfg.model, cfg.parallel, info, seed=t.seed)
     if t.init_from and resume_from is None:
+        check_init_config(t.init_from, cfg.model, t.init_from_strict)  # an HF config.json that disagrees with model.*
         load_weights(model, t.init_from)
     init_memory = memory_after_init(model, info)  # logged with the first step
     counts = param_counts(cfg.model)
@@ -125,7 +127,7 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
     # --- logging ------------------------------------------------------------------------
     logger = MetricLogger(cfg.wandb, str(run_dir), asdict(cfg), enabled=info.is_main)
     tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum  # per rank
-    fpt = flops_per_token(cfg.model, t.seq_len)
+    fpt = training_flops(cfg.model, t.seq_len)
     peak = peak_flops(device, t.peak_tflops)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

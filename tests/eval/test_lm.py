@@ -10,7 +10,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from eval.lm import SonicLM  # noqa: E402
 from sonic.data.tokenizer import ByteTokenizer  # noqa: E402
-from tests.eval.conftest import tiny_config, tiny_model  # noqa: E402
+from tests.eval.conftest import save_checkpoint, tiny_config, tiny_model  # noqa: E402
 
 TOK = ByteTokenizer()
 PAIRS = [("Kit is a red fox. When Kit is happy, the fox", " barks"),
@@ -24,8 +24,9 @@ def requests(kind, args_list):
 
 
 def direct_logprob(model, context: str, continuation: str) -> float:
-    """log p(continuation | EOS + context) summed over its bytes, one unpadded sequence at a time."""
-    ctx, cont = [TOK.eos_token_id] + TOK.encode(context), TOK.encode(continuation)
+    """log p(continuation | context) summed over its bytes, one unpadded sequence at a time; an empty
+    context is EOS (eval/lm.py's convention, lm-eval's own)."""
+    ctx, cont = TOK.encode(context) or [TOK.eos_token_id], TOK.encode(continuation)
     ids = torch.tensor([ctx + cont])
     with torch.no_grad():
         logprobs = F.log_softmax(model(ids[:, :-1]).logits_BSV.float(), -1)[0]
@@ -38,13 +39,15 @@ def model():
 
 
 def test_loglikelihood_equals_direct_scoring_in_any_batch_size(model):
-    # lm-eval convention (as its HFLM): trailing context whitespace is scored as part of the continuation
-    expected = [direct_logprob(model, c.rstrip(), c[len(c.rstrip()):] + x) for c, x in PAIRS]
+    # lm-eval convention (as its HFLM): trailing context whitespace is scored as part of the continuation;
+    # an empty context is EOS
+    pairs = PAIRS + [("", "Nell lives in the pond.")]
+    expected = [direct_logprob(model, c.rstrip(), c[len(c.rstrip()):] + x) for c, x in pairs]
     assert len({round(e, 3) for e in expected}) == len(expected)  # distinct values: order mix-ups would show
     for batch_size in (1, 3, 8):
         lm = SonicLM(model=model, tokenizer=TOK, batch_size=batch_size)
-        got = lm.loglikelihood(requests("loglikelihood", PAIRS))
-        assert [g[0] for g in got] == pytest.approx(expected, abs=1e-4)
+        got = lm.loglikelihood(requests("loglikelihood", pairs))
+        assert [g[0] for g in got] == pytest.approx(expected, rel=1e-6, abs=1e-4)  # fp32 sums
 
 
 def test_is_greedy_flags_the_argmax_continuation(model):
@@ -93,7 +96,7 @@ class AsciiOnly(torch.nn.Module):
 
 
 def manual_greedy(model, context: str, steps: int) -> list[int]:
-    ids = [TOK.eos_token_id] + TOK.encode(context)
+    ids = TOK.encode(context)
     with torch.no_grad():
         for _ in range(steps):
             ids.append(model(torch.tensor([ids])).logits_BSV[0, -1].argmax().item())
@@ -127,3 +130,51 @@ def test_rejects_unusable_arguments(model):
         SonicLM(model=model, tokenizer=TOK, batch_size="auto")
     with pytest.raises(ValueError, match="precision"):
         SonicLM(model=model, tokenizer=TOK, precision="fp8")
+
+
+@pytest.mark.slow
+def test_python_m_eval_and_lm_eval_hf_on_the_export_agree(tmp_path, monkeypatch):
+    """`python -m eval` on a checkpoint and `lm_eval --model hf` on its export give the same accuracy and the
+    same log-likelihood for every request: one tokenization (nothing appended) and one EOS convention."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from eval.__main__ import run, to_eval_config
+    from scripts import export_hf
+
+    model = tiny_model(tiny_config(), seed=5)
+    with torch.no_grad():  # attention that matters (o_proj starts at zero), so a stray or missing EOS shows
+        for layer in model.layers:
+            layer.attn.o_proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(6))
+    step_dir = save_checkpoint(model, tmp_path / "run")
+    run_dir, hf_dir, root = tmp_path / "run", tmp_path / "hf", Path(__file__).resolve().parents[2]
+    monkeypatch.setattr(sys, "argv", ["export_hf.py", str(run_dir), str(hf_dir)])
+    export_hf.main()
+    limit = 20
+    ours = run(to_eval_config({"checkpoint": str(run_dir), "limit": limit, "output_dir": str(tmp_path / "sonic"),
+                               "kernel_backend": "reference", "bootstrap_iters": 0}))
+    ours = json.loads(ours.read_text())
+    assert ours["meta"]["step"] == 7 and ours["meta"]["evaluated"] == str(step_dir)
+
+    subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={hf_dir},dtype=float32",
+                    "--tasks", "sonic_world", "--include_path", "eval/tasks", "--limit", str(limit), "--device", "cpu",
+                    "--batch_size", "8", "--log_samples", "--output_path", str(tmp_path / "hf_out")],
+                   cwd=root, check=True, capture_output=True, text=True, timeout=600)
+    [results] = (tmp_path / "hf_out").glob("*/results_*.json")
+    [samples] = (tmp_path / "hf_out").glob("*/samples_sonic_world_*.jsonl")
+    theirs = json.loads(results.read_text())["results"]["sonic_world"]
+    for metric in ("acc", "acc_norm"):
+        assert ours["results"]["sonic_world"][f"{metric},none"] == theirs[f"{metric},none"]
+
+    args, hf_scores = [], []
+    for line in samples.read_text().splitlines():
+        sample = json.loads(line)
+        args += [(a["arg_0"], a["arg_1"]) for a in sample["arguments"].values()]
+        hf_scores += [(float(ll), greedy == "True") for [[ll, greedy]] in sample["resps"]]
+    assert len(args) == 4 * limit
+    sonic = SonicLM(checkpoint=str(run_dir), kernel_backend="reference", batch_size=8)
+    sonic_scores = sonic.loglikelihood(requests("loglikelihood", args))
+    assert [g for _, g in sonic_scores] == [g for _, g in hf_scores]
+    assert [ll for ll, _ in sonic_scores] == pytest.approx([ll for ll, _ in hf_scores], rel=0, abs=1e-4)

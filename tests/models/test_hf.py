@@ -1,4 +1,6 @@
 """HF interop: tiny random OLMoE / Qwen3-MoE models built from transformers config classes (no downloads)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -7,7 +9,8 @@ from transformers import OlmoeConfig, OlmoeForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from sonic.data.tokenizer import ByteTokenizer  # noqa: E402
 from sonic.models import ModelConfig, MoEConfig, Transformer  # noqa: E402
-from sonic.models.hf import export_hf, from_hf_config, import_hf, read_safetensors_dir, to_hf_config  # noqa: E402
+from sonic.models.hf import (check_init_config, export_hf, from_hf_config, hf_config_mismatches, import_hf,  # noqa: E402
+                             read_safetensors_dir, to_hf_config)
 from sonic.models.loading import load_model  # noqa: E402
 from sonic.routing import RoutingConfig  # noqa: E402
 
@@ -121,8 +124,8 @@ def test_export_loads_in_transformers_with_the_same_logits(case, tmp_path):
     assert (hf_logits(hf, ids) - sonic_logits(model, ids)).abs().max() <= 1e-4
     tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "Kit is a red fox."
-    assert tok(text, add_special_tokens=False)["input_ids"] == ByteTokenizer().encode(text)
-    assert hf.config.eos_token_id == ByteTokenizer.eos_token_id
+    assert tok.encode(text) == ByteTokenizer().encode(text)  # the default call adds nothing (ByT5's appended </s>)
+    assert hf.config.eos_token_id == hf.config.bos_token_id == ByteTokenizer.eos_token_id
 
 
 def test_load_model_reads_a_hugging_face_directory(tmp_path):
@@ -175,3 +178,57 @@ def test_hf_config_round_trips_through_sonic():
     for case in ("olmoe", "qwen3"):
         cfg = from_hf_config(CASES[case][1])
         assert from_hf_config(to_hf_config(cfg)) == cfg
+
+
+@pytest.mark.parametrize("case", ["olmoe", "qwen3"])
+def test_init_from_config_check_lists_every_field_that_changes_the_computation(case, tmp_path):
+    cls, config = CASES[case]
+    random_hf(cls, config).save_pretrained(tmp_path / "hf")
+    cfg = from_hf_config(config)
+    assert hf_config_mismatches(tmp_path / "hf", cfg) == []
+    check_init_config(tmp_path / "hf", cfg)  # the matching model.* passes
+    routing = cfg.moe.routing
+    wrong = dataclasses.replace(cfg, rope_theta=cfg.rope_theta * 2, norm_eps=cfg.norm_eps * 10, moe=dataclasses.replace(
+        cfg.moe, top_k=cfg.moe.top_k - 1,
+        routing=dataclasses.replace(routing, renormalize=not routing.renormalize)))  # token_rounding's switch
+    found = hf_config_mismatches(tmp_path / "hf", wrong)
+    assert [m.split("=")[0] for m in found] == [
+        "model.rope_theta", "model.norm_eps", "model.moe.top_k", "model.moe.routing.order/renormalize (K gates "
+        "renormalised)"]
+    assert f"model.rope_theta={wrong.rope_theta!r} but config.json (rope_theta) gives {cfg.rope_theta!r}" in found
+    with pytest.raises(ValueError, match="init_from_strict=false") as err:
+        check_init_config(tmp_path / "hf", wrong)
+    assert all(m in str(err.value) for m in found)
+
+
+def test_init_from_config_check_only_warns_when_not_strict(tmp_path, caplog):
+    cls, config = CASES["olmoe"]
+    random_hf(cls, config).save_pretrained(tmp_path / "hf")
+    wrong = dataclasses.replace(from_hf_config(config), rope_theta=123.0)
+    with caplog.at_level("WARNING", logger="sonic"):
+        check_init_config(tmp_path / "hf", wrong, strict=False)
+    assert "model.rope_theta=123.0 but config.json (rope_theta) gives 5000.0" in caplog.text
+    assert hf_config_mismatches(tmp_path / "missing", wrong) == []  # not an HF directory: nothing to compare
+
+
+def test_exported_tokenizers_encode_text_as_sonic_does(tmp_path):
+    """Whatever the run's tokenizer adds by default (here a <s> ... </s> template), the export's plain
+    encode(text) gives Sonic's ids: nothing added, literal special-token text split, EOS as its BOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from sonic.data.tokenizer import HFTokenizer
+
+    vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(sorted(set("Kit is a red fox.</s>")))}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 1)])
+    wrapped = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+    text = "Kit is a red fox. </s>"
+    assert wrapped.encode(text)[0] == 0 and wrapped.encode(text)[-1] == 1  # the template adds <s> and </s>
+    for name, sonic in (("byte", ByteTokenizer()), ("template", HFTokenizer("template", wrapped))):
+        export_hf(Transformer(sonic_config(qk_norm="full")), sonic_config(qk_norm="full"), tmp_path / name,
+                  tokenizer=sonic)
+        tok = transformers.AutoTokenizer.from_pretrained(tmp_path / name)
+        assert tok.encode(text) == sonic.encode(text) == tok(text)["input_ids"], name
+        assert tok.bos_token_id == tok.eos_token_id == sonic.eos_token_id, name
+    assert wrapped.encode(text)[0] == 0  # the run's own tokenizer is left as it was

@@ -157,7 +157,8 @@ def test_e2e_throughput(tmp_path):
     assert runs[0]["layers"] == 4 and runs[0]["device"] == "H200"
     text = e2e_throughput.render(runs, tmp_path)
     row = next(line for line in text.splitlines() if line.startswith("| Sonic eager"))
-    assert "| 100.0 | 8.64 | 17.3 (2 GPUs) | 20.0% |" in row
+    causal = 20.0 * e2e_throughput.flops_per_token(4, causal=True) / e2e_throughput.flops_per_token(4)
+    assert f"| 100.0 | 8.64 | 17.3 (2 GPUs) | {causal:.1f}% | 20.0% |" in row  # MFU causal (headline), then full
     est = 100000.0 * e2e_throughput.flops_per_token(4) / e2e_throughput.flops_per_token(40) * 86400 / 1e9
     assert f"| {est:.2f} |" in row
     assert "| 3.33 | 213 (64 GPUs) |" in text and e2e_throughput.SLURM_64 in text
@@ -188,13 +189,15 @@ def test_e2e_payload_reads_each_runs_metrics(tmp_path):
 
 def test_e2e_records_carry_speed_and_every_layers_load(tmp_path):
     rows = [{"step": s, "loss": 10.0 - s / 10, "tokens_per_s_per_gpu": v, "tokens_per_s": 2 * v,
-             "btokens_per_day": 2 * v * 86400 / 1e9, "mfu": 0.3, "mem_peak_gib": 80.0,
+             "btokens_per_day": 2 * v * 86400 / 1e9, "mfu": 0.3, "mfu_causal": 0.25, "mem_peak_gib": 80.0,
              **{f"expert_load_max/{i}": 1.5 + i + s for i in range(3)}} for s, v in ((5, 10.0), (10, 40e3), (15, 50e3))]
     run_dir = tmp_path / "triton_3L"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cmd = "torchrun --nproc-per-node 2 train.py model.num_layers=3 model.moe.kernel_backend=triton"
+    cmd = ("torchrun --nproc-per-node 2 train.py model.num_layers=3 model.moe.kernel_backend=triton "
+           "train.micro_batch_size=4 train.seq_len=4096 train.micro_batch_size=8")
     (rec,) = e2e_throughput.e2e_records({run_dir: cmd}, 2, "H200", skip=5, commit="abc123")
+    assert rec["mfu_causal"] == 0.25 and (rec["micro_batch_size"], rec["seq_len"]) == (8, 4096)  # the last override
     assert rec["backend"] == "triton" and rec["layers"] == 3 and rec["num_gpus"] == 2 and rec["gpu"] == "H200"
     assert rec["tokens_per_s_per_gpu"] == 45e3 and rec["btokens_per_gpu_day"] == pytest.approx(45e3 * 86400 / 1e9)
     assert rec["max_load_over_mean"] == [16.5, 17.5, 18.5]  # the last logged step, one value per layer

@@ -1,0 +1,600 @@
+"""The performance claims of README.md and docs/: tables rendered from committed result files, and checked.
+
+  python -m scripts.claims            # re-render every claims block from bench/results/
+  python -m scripts.claims --check    # exit 1, naming each problem, if a block or a cited file is wrong
+
+A claims block is a table between two markers in a markdown file:
+
+  <!-- claims:e2e_40l -->
+  ...rendered from TABLES["e2e_40l"]: one row per result record, its GPU, date, commit and a numbered note...
+  <!-- /claims:e2e_40l -->
+
+Each table is declared below (TABLES): which file each row reads, which record of it (a filter on its
+fields), and which fields the columns show. Each row names its GPU, date and commit, and its numbered note
+below the table gives the file, the records, the commit and the command that produced them. A number in a block is a field
+of the cited record, or a declared function of that record's fields (B tokens/day from tokens/s, a ratio of
+two fields of one record or of two records of one file, causal MFU from the full-attention MFU).
+
+--check fails when:
+- a block differs from what its result files give now: a number not in the file it cites, a hand edit;
+- a cited commit is not in the git history (`git cat-file -e`);
+- a cited result file has no command, or is not committed;
+- a table is declared but placed nowhere, or a block names no declared table;
+- prose outside the blocks, in the sections that carry claims (CLAIM_SECTIONS), types a performance figure
+  (a %, a ratio, TFLOPS, tokens/s, B/day, GiB, MiB, ms): prose cites the rows instead.
+
+Provenance: a result file that records the commit it measured, and whose commit is in the history, cites it.
+A file with no commit, or with one that is not in the history (rewritten before merging), cites the commit
+that added the file to the repository, and its note says so: so commit a new result file first, then render.
+
+Adding a table: declare it in TABLES, put its two markers where it belongs, run `python -m scripts.claims`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import runpy
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = ("README.md", "docs/performance.md", "docs/reproduction.md", "docs/routing.md")
+# (file, heading): prose there may not type a performance figure (None: the whole file).
+CLAIM_SECTIONS = (("README.md", "## Training throughput"), ("README.md", "## Kernels and benchmarks"),
+                  ("docs/performance.md", None), ("docs/reproduction.md", None))
+PAPER_SOURCE = "scripts/repro/paper.py"  # the published numbers, each citing the paper; not a result file
+BLOCK = re.compile(r"<!-- claims:(?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- /claims:(?P=name) -->", re.S)
+FIGURE = re.compile(  # a number or a range with a unit; "1.16×" is a ratio, "6 × N" and "2×H200" are not
+    r"(?<![\w.])\d+(?:\.\d+)?(?:–\d+(?:\.\d+)?)?"
+    r"(?:×(?![A-Za-z0-9])(?!\s*\d)|\s?(?:%|k\b|TFLOPS|TFLOP/s|TF\b|tokens/s|B(?: tokens)?(?:/GPU)?/day|GiB|MiB|ms\b))")
+
+
+class ClaimError(ValueError):
+    """A table that cannot be rendered honestly from its files (a missing field, command or commit)."""
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record of a result file, with the file around it (commands, dates and devices often live there)."""
+
+    file: str  # relative to the repository root
+    payload: dict  # the whole file
+    data: dict  # the record (the payload itself when the file is one record)
+    where: tuple  # the filter that picked it, for the note
+
+    def get(self, path: str, default=None):
+        """A dotted field of the record, else of the file (e.g. 'backends.cute.fwdbwd_tf', 'command')."""
+        for source in (self.data, self.payload):
+            value = _dig(source, path)
+            if value is not None:
+                return value
+        return default
+
+    def need(self, path: str):
+        value = self.get(path)
+        if value is None:
+            raise ClaimError(f"{self.file} {self.label()}: no field {path!r}")
+        return value
+
+    def label(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.where) or "(the whole file)"
+
+    def command_arg(self, key: str) -> str | None:
+        """The last `key=value` override of the record's command (Hydra applies the last one)."""
+        found = re.findall(rf"(?:^|\s){re.escape(key)}=(\S+)", self.get("command") or "")
+        return found[-1] if found else None
+
+
+def _dig(source, path: str):
+    for part in path.split("."):
+        if isinstance(source, dict) and part in source:
+            source = source[part]
+        elif isinstance(source, list) and part.isdigit() and int(part) < len(source):
+            source = source[int(part)]
+        else:
+            return None
+    return source
+
+
+def load(root: Path, file: str) -> dict:
+    """A result file as a dict: JSON; JSON lines as {'records': [...]}; the paper's module as its constants."""
+    path = root / file
+    if not path.is_file():
+        raise ClaimError(f"{file} does not exist")
+    if file == PAPER_SOURCE:
+        return {k: v for k, v in runpy.run_path(str(path)).items() if k.isupper()}
+    if path.suffix == ".jsonl":
+        return {"records": [json.loads(line) for line in path.read_text().splitlines() if line.strip()]}
+    return json.loads(path.read_text())
+
+
+def select(root: Path, file: str, records: str, where: dict) -> Record:
+    """The one record of `file` (under `records`, a list or a dict keyed by name) whose fields match `where`."""
+    payload = load(root, file)
+    if not where:
+        return Record(file, payload, payload, ())
+    container = _dig(payload, records)
+    if isinstance(container, dict):
+        container = [{"name": key, **value} for key, value in container.items()]
+    if not isinstance(container, list):
+        raise ClaimError(f"{file}: no record list {records!r}")
+    found = [r for r in container if all(_dig(r, k) == v for k, v in where.items())]
+    if len(found) != 1:
+        raise ClaimError(f"{file}: {len(found)} records under {records!r} match {where} (the spec needs exactly one)")
+    return Record(file, payload, found[0], tuple(where.items()))
+
+
+# --------------------------------------------------------------------------- columns
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a cell is rendered: the repository, the table row, and the previous row's record."""
+
+    root: Path
+    row: Row
+    above: Record | None
+
+
+@dataclass(frozen=True)
+class Field:
+    """A number of the record: value x scale, `digits` decimals, then `suffix`."""
+
+    header: str
+    path: str
+    scale: float = 1.0
+    digits: int = 1
+    suffix: str = ""
+
+    def cell(self, rec: Record, at: Where) -> str:
+        return f"{rec.need(self.path) * self.scale:.{self.digits}f}{self.suffix}"
+
+
+ABOVE = {"_": "the row above"}  # Ratio.den_where: the record of the table's previous row
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """num / den: both fields of the row's record, or den of another record of the same file (den_where),
+    or of the previous row's record (den_where=ABOVE)."""
+
+    header: str
+    num: str
+    den: str
+    den_where: dict | None = None
+    digits: int = 2
+
+    def cell(self, rec: Record, at: Where) -> str:
+        if self.den_where is ABOVE:
+            other = at.above or rec  # the first row is its own base
+        elif self.den_where is not None:
+            other = select(at.root, at.row.file, at.row.records, self.den_where)
+        else:
+            other = rec
+        return f"{rec.need(self.num) / other.need(self.den):.{self.digits}f}×"
+
+
+@dataclass(frozen=True)
+class Count:
+    """How many values of a list field are <= `at_most` (e.g. layers whose max/mean load is at most 2)."""
+
+    header: str
+    path: str
+    at_most: float
+
+    def cell(self, rec: Record, at: Where) -> str:
+        values = rec.need(self.path)
+        return f"{sum(v <= self.at_most for v in values)} / {len(values)}"
+
+
+@dataclass(frozen=True)
+class Largest:
+    header: str
+    path: str
+    digits: int = 2
+
+    def cell(self, rec: Record, at: Where) -> str:
+        return f"{max(rec.need(self.path)):.{self.digits}f}"
+
+
+@dataclass(frozen=True)
+class Text:
+    """A field shown as it is (a step range, a backend name), or `key=` overrides of the command (args)."""
+
+    header: str
+    path: str = ""
+    args: tuple = ()
+    sep: str = " × "
+
+    def cell(self, rec: Record, at: Where) -> str:
+        values = [rec.command_arg(a) for a in self.args] if self.args else [rec.get(self.path)]
+        if None in values:
+            raise ClaimError(f"{rec.file} {rec.label()}: no {self.args or self.path!r}")
+        return self.sep.join(str(v) for v in values)
+
+
+@dataclass(frozen=True)
+class CausalMfu:
+    """MFU with the attention a causal mask needs (sonic.models.TrainingFlops.causal): the record's
+    `mfu_causal`, or, for files written before it was logged, its full-attention `mfu` x causal / full
+    FLOPs per token of the model it ran (preset, layers and sequence length from the record or its command)."""
+
+    header: str = "MFU"
+    path: str = "mfu"
+
+    def cell(self, rec: Record, at: Where) -> str:
+        causal = rec.get(self.path + "_causal")
+        if causal is None:
+            causal = rec.need(self.path) * causal_share(*model_shape(rec))
+        return f"{100 * causal:.1f}%"
+
+
+def model_shape(rec: Record) -> tuple[str, int, int]:
+    """(preset, layers, seq_len) of the model a record measured."""
+    preset = next((m for m in (rec.data.get("model"), rec.payload.get("model")) if isinstance(m, str)), None)
+    preset = preset or rec.command_arg("model") or rec.command_arg("experiment")
+    layers = rec.get("layers") or rec.get("num_layers") or rec.command_arg("model.num_layers")
+    seq = rec.get("seq_len") or rec.get("batch.1") or rec.command_arg("train.seq_len")
+    if not (preset and layers and seq):
+        raise ClaimError(f"{rec.file} {rec.label()}: the model preset, layers or seq_len is not recorded, so its "
+                         f"causal MFU cannot be derived (got {preset}, {layers}, {seq})")
+    return preset, int(layers), int(seq)
+
+
+@lru_cache(maxsize=None)
+def causal_share(preset: str, layers: int, seq_len: int) -> float:
+    from sonic.models import training_flops  # noqa: PLC0415 - keeps --help light
+    from sonic.models.presets import load_preset  # noqa: PLC0415
+
+    flops = training_flops(load_preset(preset, num_layers=layers), seq_len)
+    return flops.causal / flops.full
+
+
+# --------------------------------------------------------------------------- tables
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    file: str
+    where: dict = field(default_factory=dict)  # {} = the file is the record
+    records: str = "records"  # where the file keeps its records
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    columns: tuple
+    rows: tuple
+    first: str = "run"  # the label column's header
+    caption: str = ""  # one line above the table (no figures: those belong in cells)
+
+
+def e2e(label: str, file: str, run: str) -> Row:
+    return Row(label, f"bench/results/{file}", {"run": run})
+
+
+E2E_40L, E2E_40L_MB8 = "2026-11-23-2xh200-e2e-40L.json", "2026-11-23-2xh200-e2e-40L-mb8-noreshard.json"
+E2E_COLUMNS = (
+    Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
+    Text("steps (averaged)", "steps_averaged"),
+    Field("k tokens/s/GPU", "tokens_per_s_per_gpu", 1e-3), Field("B tokens/GPU/day", "btokens_per_gpu_day", digits=2),
+    CausalMfu("MFU"), Field("MFU, full attention", "mfu", 100, suffix="%"), Field("peak GiB", "peak_mem_gib"))
+LAYER_7B = {"config": "7B"}
+
+TABLES = (
+    Table("paper_e2e", rows=(Row("the paper: SonicMoE, lm-engine, FSDP-2", PAPER_SOURCE, {"name": "sonicmoe"},
+                                 "E2E"),),
+          columns=(Field("GPUs", "gpus", digits=0), Field("B tokens/GPU/day", "btokens_per_gpu_day", digits=2),
+                   Field("B tokens/day (job)", "btokens_per_day", digits=0)),
+          first="source", caption="The 40-layer 7B model at micro-batch 4 × 4096 tokens per GPU, on H100s."),
+    Table("e2e_40l", columns=E2E_COLUMNS, caption="The 40-layer `sonic_7b`, real trainer, FSDP-2, offline BPE "
+          "text (`data=local_bpe`); steady-state means over the steps named (the warm-up steps before them are "
+          "left out).", rows=(
+              e2e("recipe (defaults)", E2E_40L, "triton_40L"),
+              e2e("+ `parallel.reshard_after_forward=false`", E2E_40L, "triton_noreshard_40L"),
+              e2e("+ `train.micro_batch_size=8`", E2E_40L, "triton_mb8_40L"),
+              e2e("+ both", E2E_40L_MB8, "triton_mb8_noreshard_40L"),
+              e2e("recipe, `model.moe.kernel_backend=grouped_mm` (our torch._grouped_mm backend)", E2E_40L,
+                  "grouped_mm_40L"))),
+    Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
+                                                                  "max_load_over_mean"),
+                                  Count("layers ≤ 2", "max_load_over_mean", 2)),
+          caption="Each layer's max/mean expert load at the last logged step of the 40-layer runs above.", rows=(
+              e2e("recipe (defaults)", E2E_40L, "triton_40L"),
+              e2e("micro-batch 8, no reshard", E2E_40L_MB8, "triton_mb8_noreshard_40L"))),
+    Table("official_7b", first="run", caption="The paper's 7B config (T 24576, d 1536, n 256, E 128, K 8), "
+          "forward + backward of the bare expert layer (router logits, top-K, plan, experts: `bench.moe_layer` "
+          "without `--block`, its diagnostic mode), cute and the official sonic-moe 0.1.2.post1 layer in one "
+          "process on the same inputs; one run each, the two not interleaved.", rows=(
+              Row("7B alone", "bench/results/2026-11-22-h100-moe_layer-7b-final.json", LAYER_7B, "configs"),
+              Row("7B alone, `--autotune`", "bench/results/2026-11-22-h200-moe_layer-7b-official.json", LAYER_7B,
+                  "configs"),
+              Row("every config, `--autotune`", "bench/results/2026-11-22-h200-moe_layer.json", LAYER_7B,
+                  "configs")),
+          columns=(Field("cute TFLOPS", "backends.cute.fwdbwd_tf", digits=0),
+                   Field("official TFLOPS", "backends.official.fwdbwd_tf", digits=0),
+                   Ratio("cute ÷ official", "backends.cute.fwdbwd_tf", "backends.official.fwdbwd_tf"),
+                   Field("cute held MiB", "backends.cute.held_bytes", 2**-20, 0),
+                   Field("official held MiB", "backends.official.held_bytes", 2**-20, 0))),
+    Table("backends_7b", first="config", caption="Our three GPU backends on the same bare 7B expert layer in one "
+          "process (the H100 run of the table above); `grouped_mm` is our own torch._grouped_mm backend, not a "
+          "peer.", rows=(Row("7B", "bench/results/2026-11-22-h100-moe_layer-7b-final.json", LAYER_7B,
+                                            "configs"),),
+          columns=(*(Field(f"{b} TFLOPS", f"backends.{b}.fwdbwd_tf", digits=0)
+                     for b in ("cute", "triton", "grouped_mm")),
+                   Ratio("cute ÷ grouped_mm", "backends.cute.fwdbwd_tf", "backends.grouped_mm.fwdbwd_tf"),
+                   *(Field(f"{b} held MiB", f"backends.{b}.held_bytes", 2**-20, 0) for b in ("cute", "grouped_mm")))),
+    Table("levers", first="rung", caption="`sonic_7b` cut to 8 layers, 4 × 4096 tokens, one H100, one process "
+          "(`bench.levers`): each rung adds one change to the rung above it.", rows=tuple(
+              Row(lever, "bench/results/2026-11-23-h100-levers.json", {"lever": lever}, "rows")
+              for lever in ("before", "+ bf16 router", "+ chunked loss", "+ compile")),
+          columns=(Field("k tokens/s", "tokens_per_s", 1e-3),
+                   Ratio("× the rung above", "tokens_per_s", "tokens_per_s", ABOVE),
+                   Ratio("× before", "tokens_per_s", "tokens_per_s", {"lever": "before"}), CausalMfu("MFU"),
+                   Field("MFU, full attention", "mfu", 100, suffix="%"), Field("peak GiB", "peak_mem_gib"))),
+    Table("lever_swaps", first="swap", caption="Each swaps one piece of the `+ compile` rung and is measured in "
+          "the same process as that rung; the document-masked rows also change the batch (packed documents "
+          "that may not attend to each other).", rows=(
+              *(Row(lever, "bench/results/2026-11-23-h100-levers.json", {"lever": lever}, "rows")
+                for lever in ("liger loss", "cce loss", "flex causal", "doc flex", "doc sdpa dense mask")),
+              Row("cudnn causal", "bench/results/2026-11-23-h100-levers-cudnn.json", {"lever": "cudnn causal"},
+                  "rows")),
+          columns=(Field("k tokens/s", "tokens_per_s", 1e-3),
+                   Ratio("× `+ compile`, same process", "tokens_per_s", "tokens_per_s", {"lever": "+ compile"}),
+                   Field("peak GiB", "peak_mem_gib"))),
+    Table("profile_8l", first="step", caption="One profiled step of the `+ compile` rung (`bench.levers "
+          "--profile`).", rows=(Row("`+ compile`, profiled", "bench/results/2026-11-23-h100-levers-profile.json",
+                                    {"lever": "+ compile"}, "rows"),),
+          columns=(Field("wall ms", "profile.wall_ms"), Field("GPU busy ms", "profile.busy_ms"),
+                   Field("k tokens/s", "tokens_per_s", 1e-3))),
+)
+
+
+# --------------------------------------------------------------------------- git
+
+
+def git(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+
+
+@lru_cache(maxsize=None)
+def in_history(root: Path, commit: str) -> bool:
+    if not re.fullmatch(r"[0-9a-f]{7,40}", commit):
+        return False
+    return git(root, "cat-file", "-e", f"{commit}^{{commit}}").returncode == 0
+
+
+@lru_cache(maxsize=None)
+def added_in(root: Path, file: str) -> str | None:
+    """The commit that first added `file`, or None if it is not committed."""
+    out = git(root, "log", "--diff-filter=A", "--format=%h", "--", file).stdout.split()
+    return out[-1] if out else None
+
+
+def is_shallow(root: Path) -> bool:
+    return git(root, "rev-parse", "--is-shallow-repository").stdout.strip() == "true"
+
+
+def cited_commit(root: Path, file: str, recorded: str | None) -> tuple[str, str]:
+    """(commit, why): the commit a result file's numbers are cited at: the one it records, if that is in
+    the history; else the one that added the file, and why ('' for a recorded commit)."""
+    if recorded and in_history(root, recorded):
+        return recorded, ""
+    added = added_in(root, file)
+    if added is None:
+        raise ClaimError(f"{file} is not committed: commit the result file, then render")
+    why = f"its recorded commit {recorded} is not in the history" if recorded else "the file records no commit"
+    return added, f"it added the file; {why}"
+
+
+def provenance(root: Path, file: str, recorded: str | None) -> str:
+    """The words citing that commit, e.g. "commit `05b39f4` (it added the file; the file records no commit)"."""
+    commit, why = cited_commit(root, file, recorded)
+    return f"commit `{commit}`" + (f" ({why})" if why else "")
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def gpu_label(rec: Record) -> str:
+    """'2×H200', 'H100', 'CPU': the GPU count and kind of the record's run."""
+    device = str(rec.get("gpu") or rec.get("device") or "")
+    if not device:
+        raise ClaimError(f"{rec.file} {rec.label()}: no gpu or device recorded")
+    count = rec.get("num_gpus") or (int(m.group(1)) if (m := re.match(r"\s*(\d+)\s*x\s", device)) else 1)
+    from sonic.train.metrics import PEAK_BF16_FLOPS  # noqa: PLC0415 - the GPU names MFU knows
+
+    name = next((key for key, _ in PEAK_BF16_FLOPS if key in device), "CPU" if device.lower().startswith("cpu")
+                else device)
+    return f"{count}×{name}" if count > 1 else name
+
+
+def date_of(rec: Record) -> str:
+    date = rec.get("date") or (m.group(0) if (m := re.match(r"\d{4}-\d{2}-\d{2}", Path(rec.file).name)) else None)
+    if not date:
+        raise ClaimError(f"{rec.file}: no date recorded")
+    return str(date)[:10]
+
+
+def source(root: Path, rec: Record) -> tuple[str, str]:
+    """(file, what else the note says: commit and command): rows with the same source share a note."""
+    if rec.file == PAPER_SOURCE:
+        return rec.file, "typed from the paper (arXiv 2512.14080), each value citing it"
+    command = rec.get("command")
+    if not command:
+        raise ClaimError(f"{rec.file} {rec.label()}: no command recorded; a claim needs the command that produced "
+                         f"it (re-run and commit the result, or drop the row)")
+    return rec.file, f"{provenance(root, rec.file, rec.get('commit'))}; command: `{command}`"
+
+
+def render_table(root: Path, table: Table) -> str:
+    """The block body: caption, the table (label, cells, GPU, date, note number), the numbered notes."""
+    header = [table.first, *(c.header for c in table.columns), "GPU", "date", "commit", "note"]
+    lines = ([table.caption, ""] if table.caption else []) + [
+        "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    notes: dict[tuple[str, str], list[str]] = {}  # source -> the records cited from it
+    above = None
+    for row in table.rows:
+        rec = select(root, row.file, row.records, row.where)
+        cells = [c.cell(rec, Where(root, row, above)) for c in table.columns]
+        above = rec
+        cited = notes.setdefault(source(root, rec), [])
+        if rec.label() not in cited:
+            cited.append(rec.label())
+        gpu = "64×H100" if rec.file == PAPER_SOURCE else gpu_label(rec)
+        date = "2025 (arXiv 2512.14080)" if rec.file == PAPER_SOURCE else date_of(rec)
+        commit = "–" if rec.file == PAPER_SOURCE else f"`{cited_commit(root, rec.file, rec.get('commit'))[0]}`"
+        number = list(notes).index(source(root, rec)) + 1
+        lines.append("| " + " | ".join([row.label, *cells, gpu, date, commit, str(number)]) + " |")
+    lines.append("")
+    lines += [f"{i}. `{file}` ({'; '.join(records)}); {rest}" for i, ((file, rest), records) in enumerate(notes.items(), 1)]
+    return "\n".join(lines) + "\n"
+
+
+def tables() -> dict[str, Table]:
+    names = [t.name for t in TABLES]
+    assert len(set(names)) == len(names), f"two tables share a name: {names}"
+    return {t.name: t for t in TABLES}
+
+
+def blocks(text: str) -> list[re.Match]:
+    return list(BLOCK.finditer(text))
+
+
+def render_docs(root: Path, specs: dict[str, Table], docs=DOCS) -> dict[str, str]:
+    """{doc: its text with every claims block re-rendered}; a ClaimError if a block names no table."""
+    out = {}
+    for doc in docs:
+        path = root / doc
+        if not path.is_file():
+            continue
+        text = path.read_text()
+
+        def fill(m: re.Match) -> str:
+            if m["name"] not in specs:
+                raise ClaimError(f"{doc}: block claims:{m['name']} names no table in scripts/claims.py TABLES")
+            return f"<!-- claims:{m['name']} -->\n{render_table(root, specs[m['name']])}<!-- /claims:{m['name']} -->"
+
+        out[doc] = BLOCK.sub(fill, text)
+    return out
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def _table_rows(body: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.splitlines()
+            if line.startswith("|") and not line.startswith("|---")]
+
+
+def compare_block(doc: str, name: str, have: str, want: str, table: Table) -> list[str]:
+    """Cell by cell: what the doc says against what the cited file gives."""
+    if have == want:
+        return []
+    problems = []
+    have_rows, want_rows = _table_rows(have), _table_rows(want)
+    if len(have_rows) != len(want_rows) or (have_rows and have_rows[0] != want_rows[0]):
+        problems.append(f"{doc} claims:{name}: the table's rows or columns differ from TABLES[{name!r}]")
+    else:
+        header = want_rows[0]
+        for row_have, row_want in zip(have_rows[1:], want_rows[1:]):
+            for col, got, expected in zip(header, row_have, row_want):
+                if got != expected:
+                    problems.append(f"{doc} claims:{name}, row {row_want[0]!r}, column {col!r}: the doc says "
+                                    f"{got!r}, its result file gives {expected!r}")
+    other_have = [x for x in have.splitlines() if not x.startswith("|")]
+    other_want = [x for x in want.splitlines() if not x.startswith("|")]
+    for got, expected in zip(other_have, other_want):
+        if got != expected:
+            problems.append(f"{doc} claims:{name}: {got!r} should read {expected!r}")
+    if len(other_have) != len(other_want):
+        problems.append(f"{doc} claims:{name}: the caption or notes differ from what the result files give")
+    return problems
+
+
+def cited_commits(body: str) -> list[str]:
+    """The commits a block cites: in its notes ("commit `abc1234`") and its rows' commit column."""
+    return re.findall(r"(?:commit |\| )`([0-9a-f]{7,40})` ", body)
+
+
+def cited_files(body: str) -> list[str]:
+    return re.findall(r"^\d+\. `([^`]+)`", body, re.M)
+
+
+def prose_figures(text: str, heading: str | None) -> list[str]:
+    """Performance figures typed in prose: outside claims blocks, inside `heading`'s section (or anywhere)."""
+    text = BLOCK.sub("", text)
+    if heading is not None:
+        start = text.find(heading + "\n")
+        if start < 0:
+            return [f"section {heading!r} is missing"]
+        level = heading.split()[0]
+        end = re.search(rf"^#{{1,{len(level)}}} ", text[start + len(heading):], re.M)
+        text = text[start:start + len(heading) + (end.start() if end else len(text))]
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # commands, not claims
+    return [m.group(0) for m in FIGURE.finditer(re.sub(r"`[^`]*`", "", text))]
+
+
+def check(root: Path, specs: dict[str, Table], docs=DOCS, sections=CLAIM_SECTIONS) -> list[str]:
+    """Every problem --check reports (an empty list when the docs hold only what the result files say)."""
+    problems, placed = [], set()
+    shallow = is_shallow(root)
+    if shallow:
+        problems.append("this is a shallow clone: cited commits cannot be checked; `git fetch --unshallow` first")
+    try:
+        rendered = render_docs(root, specs, docs)
+    except ClaimError as err:
+        return problems + [str(err)]
+    for doc, new in rendered.items():
+        old = (root / doc).read_text()
+        have = {m["name"]: m["body"] for m in blocks(old)}
+        want = {m["name"]: m["body"] for m in blocks(new)}
+        for name, body in have.items():
+            placed.add(name)
+            problems += compare_block(doc, name, body, want[name], specs[name])
+            for commit in cited_commits(body):
+                if not shallow and not in_history(root, commit):
+                    problems.append(f"{doc} claims:{name}: commit {commit} is not in the git history")
+            for file in cited_files(body):
+                if file != PAPER_SOURCE and not git(root, "ls-files", "--error-unmatch", file).returncode == 0:
+                    problems.append(f"{doc} claims:{name}: {file} is not committed")
+    problems += [f"TABLES[{name!r}] is placed in none of {', '.join(docs)}: add its markers or remove it"
+                 for name in specs if name not in placed]
+    for doc, heading in sections:
+        if (root / doc).is_file():
+            problems += [f"{doc}{' ' + heading if heading else ''}: prose types the figure {fig!r}; put it in a "
+                         f"claims table and cite the row" for fig in prose_figures((root / doc).read_text(), heading)]
+    return list(dict.fromkeys(problems))  # a commit cited in a row and its note is one problem
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="report what differs from the result files; change nothing")
+    args = ap.parse_args(argv)
+    specs = tables()
+    if args.check:
+        problems = check(REPO, specs)
+        for p in problems:
+            print(p)
+        if problems:
+            print(f"\n{len(problems)} problem(s); `python -m scripts.claims` re-renders the tables", file=sys.stderr)
+            return 1
+        print(f"claims: {len(specs)} tables agree with their result files")
+        return 0
+    for doc, text in render_docs(REPO, specs).items():
+        if (REPO / doc).read_text() != text:
+            (REPO / doc).write_text(text)
+            print(f"rendered {doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
