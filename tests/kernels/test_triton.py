@@ -9,6 +9,8 @@ Run on the GPU machine with: PYTHONPATH=. python -m pytest tests/kernels -m gpu
 """
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -81,7 +83,7 @@ def test_matches_fp32_reference(case, triton_device, poison):
     from sonic.kernels.triton import experts
 
     T, D, N, E, K, bias, routing = CASES[case]
-    gen = torch.Generator(device=triton_device).manual_seed(hash(case) % 2**31)
+    gen = torch.Generator(device=triton_device).manual_seed(zlib.crc32(case.encode()))  # hash() varies by process
     x = torch.randn(T, D, generator=gen, device=triton_device).to(torch.bfloat16)
     w1, w2, b1, b2 = make_weights(E, N, D, bias, triton_device, gen)
     if routing == "variable":
@@ -100,7 +102,10 @@ def test_matches_fp32_reference(case, triton_device, poison):
         assert have.dtype == (torch.float32 if name == "ds" else torch.bfloat16), name
         assert torch.isfinite(have).all(), f"{name}: unwritten (poisoned) or non-finite elements"
         err = rel_err(have, want)
-        assert err <= BF16_TOL, f"{case} {name}: relative error {err:.2e}"
+        # dS = <dA', A> with A from the bf16 H the kernels keep (the paper's contract) against the fp32 H of
+        # the fp32 reference: each row's error is ~bf16 epsilon, and over a handful of rows nothing averages
+        tol = BF16_TOL if name != "ds" or have.numel() >= 64 else 2 * BF16_TOL
+        assert err <= tol, f"{case} {name}: relative error {err:.2e}"
 
 
 def _saved_bytes(fn) -> tuple[int, torch.Tensor]:
