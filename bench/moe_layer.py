@@ -114,7 +114,8 @@ def sonic_layer(name: str, p: Problem):
     T, d, n, E, K = p.shape
     if name == "triton":
         from sonic.kernels.triton.routing import route_topk
-        route = lambda logits: route_topk(logits, K)  # noqa: E731
+        no_bias = torch.zeros(E, device=p.x.device)
+        route = lambda logits: route_topk(logits, no_bias, K, "topk_softmax", False)[1]  # noqa: E731
     else:
         route = lambda logits: torch_route(logits, K, E)  # noqa: E731
 

@@ -12,8 +12,9 @@ Routing backends:
 | auto   | triton where it can run (a CUDA GPU with Triton), else torch              |
 
 A backend module exposes `select_topk(logits_TE, bias_E, k, order, renormalize) -> TopK`,
-`plan_from_topk(expert_idx_TK, gates_TK, num_experts) -> RoutingPlan` and
-`unavailable_reason(device) -> str | None`, with identical results (ties included).
+`route_topk(...same...) -> (TopK, RoutingPlan)` (the selection and the plan of its picks, which the
+fused backend builds in one op) and `unavailable_reason(device) -> str | None`, with identical results
+(ties included).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ ROUTING_BACKENDS = Registry("routing.backend", [
 ])
 AUTO_ORDER = ("triton", "torch")
 
-# method(router, logits_TE, topk, backend) -> (plan, the token-choice top-K picks per expert)
+# method(router, logits_TE, backend) -> (TopK, plan, the token-choice top-K picks per expert)
 ROUTING_METHODS = Registry("routing.method", [
     Entry("topk", "sonic.routing.token_choice:topk_method"),  # token choice
     Entry("token_rounding", "sonic.routing.token_rounding:token_rounding_method"),  # TR in training, top-K in eval

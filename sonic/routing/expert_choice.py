@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from sonic.routing.plan import RoutingPlan, TopK, build_plan
-from sonic.routing.token_choice import count_per_expert
+from sonic.routing.token_choice import count_per_expert, select
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -36,12 +36,13 @@ def expert_choice_plan(probs_TE: Tensor, select_TE: Tensor, capacity: int) -> Ro
     return build_plan(token_idx_CE.reshape(-1), expert_idx_CE.reshape(-1), gates_CE.reshape(-1), T, E)
 
 
-def expert_choice_method(router, logits_TE: Tensor, topk: TopK, backend) -> tuple[RoutingPlan, Tensor]:
+def expert_choice_method(router, logits_TE: Tensor, backend) -> tuple[TopK, RoutingPlan, Tensor]:
     """routing.method=expert_choice: C = capacity rows per expert, chosen by the biased softmax, gated by
     the unbiased one; the aux loss still counts the token-choice picks."""
+    topk = select(router, logits_TE, backend)  # for the aux loss's picks and its statistics
     logits_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
     T, E, K = logits_TE.shape[0], router.num_experts, router.top_k
     capacity = expert_capacity(T, E, K, router.cfg.capacity_factor)
     select_TE = logits_TE.detach() + router.expert_bias_E.to(logits_TE.dtype)
     plan = expert_choice_plan(logits_TE.softmax(-1), select_TE.softmax(-1), capacity)
-    return plan, count_per_expert(topk.expert_idx_TK, E)
+    return topk, plan, count_per_expert(topk.expert_idx_TK, E)

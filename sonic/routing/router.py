@@ -84,11 +84,10 @@ class Router(nn.Module):
 
     def route(self, logits_TE: Tensor) -> RouterOutput:
         """Everything after the linear layer: selection, gates, plan, losses (in fp32 from any logits dtype)."""
-        cfg, E, K = self.cfg, self.num_experts, self.top_k
-        assert logits_TE.shape[1] == E, logits_TE.shape
+        cfg = self.cfg
+        assert logits_TE.shape[1] == self.num_experts, logits_TE.shape
         backend = self.backend(logits_TE.device)
-        topk = backend.select_topk(logits_TE, self.expert_bias_E, K, cfg.order, cfg.renormalize)
-        plan, topk_counts_E = self.method(self, logits_TE, topk, backend)
+        topk, plan, topk_counts_E = self.method(self, logits_TE, backend)
         global_picks = cfg.aux_loss_scope == "global" and self.stats_group is not None
         picks_E = group_sum(topk_counts_E, self.stats_group) if global_picks else topk_counts_E
         aux = switch_aux_loss(topk.probsum_E / max(logits_TE.shape[0], 1), picks_E)

@@ -8,8 +8,8 @@ Legend: T tokens, E experts, K top-k.
 Selection and gates are separate on purpose: the selection adds the aux-loss-free expert bias
 to the logits, the gates never do (DeepSeek-V3). Ties go to the lower expert index.
 
-This module is the torch routing backend (routing.backend=torch, sonic/routing/backends.py) and
-defines the semantics; sonic/kernels/triton/routing.py is the fused one. Both give a TopK with the
+This module is the torch routing backend (routing.backend=torch, sonic/routing/backends.py:
+select_topk, route_topk) and defines the semantics; sonic/kernels/triton/routing.py is the fused one. Both give a TopK with the
 statistics the losses need (the full softmax summed over tokens, and the logsumexp per token), so
 no loss makes a second pass over T x E.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sonic.routing.plan import TopK, plan_from_topk  # noqa: F401  (plan_from_topk: this backend's plan)
+from sonic.routing.plan import RoutingPlan, TopK, plan_from_topk
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -44,6 +44,12 @@ def select_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormali
     return TopK(expert_idx_TK, gates_TK, probs_TE.sum(0), lse_T)
 
 
+def route_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool) -> tuple[TopK, RoutingPlan]:
+    """select_topk and the plan of its picks."""
+    topk = select_topk(logits_TE, bias_E, k, order, renormalize)
+    return topk, plan_from_topk(topk.expert_idx_TK, topk.gates_TK, logits_TE.shape[1])
+
+
 def count_per_expert(expert_idx: Tensor, num_experts: int) -> Tensor:
     """How often each expert id occurs (int64, on device, no host sync). Integer scatter_add: exact in any
     order, so deterministic, and not index_put's sort-based accumulate."""
@@ -52,7 +58,14 @@ def count_per_expert(expert_idx: Tensor, num_experts: int) -> Tensor:
     return counts_E.scatter_add_(0, flat, torch.ones_like(flat))
 
 
-def topk_method(router, logits_TE: Tensor, topk: TopK, backend) -> tuple:
-    """routing.method=topk: the plan of the top-K picks, whose counts are the plan's."""
-    plan = backend.plan_from_topk(topk.expert_idx_TK, topk.gates_TK, router.num_experts)
-    return plan, plan.counts_E()
+def topk_method(router, logits_TE: Tensor, backend) -> tuple[TopK, RoutingPlan, Tensor]:
+    """routing.method=topk: the top-K picks and their plan (one call: the fused backend builds both in one
+    op), whose counts are the plan's."""
+    topk, plan = backend.route_topk(logits_TE, router.expert_bias_E, router.top_k, router.cfg.order,
+                                    router.cfg.renormalize)
+    return topk, plan, plan.counts_E()
+
+
+def select(router, logits_TE: Tensor, backend) -> TopK:
+    """The router's top-K selection (expert bias, gate order) on `backend`, for the methods beyond top-K."""
+    return backend.select_topk(logits_TE, router.expert_bias_E, router.top_k, router.cfg.order, router.cfg.renormalize)

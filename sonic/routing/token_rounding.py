@@ -58,7 +58,7 @@ from torch import Tensor
 
 from sonic import compat
 from sonic.routing.plan import RoutingPlan, TopK, build_plan
-from sonic.routing.token_choice import count_per_expert, topk_method
+from sonic.routing.token_choice import count_per_expert, select, topk_method
 
 
 class RoundedPlan(NamedTuple):
@@ -196,11 +196,12 @@ def recomputing() -> bool:
     return compat.in_backward()
 
 
-def token_rounding_method(router, logits_TE: Tensor, topk: TopK, backend) -> tuple[RoutingPlan, Tensor]:
+def token_rounding_method(router, logits_TE: Tensor, backend) -> tuple[TopK, RoutingPlan, Tensor]:
     """routing.method=token_rounding: rounded counts in training mode, plain top-K in eval mode. Under
     rounding_mode=balance the router's residual buffers carry f - c across steps (Router docstring)."""
     if not router.training:
-        return topk_method(router, logits_TE, topk, backend)
+        return topk_method(router, logits_TE, backend)
+    topk = select(router, logits_TE, backend)
     cfg = router.cfg
     balance = cfg.rounding_mode == "balance"
     if balance and not recomputing():
@@ -210,4 +211,4 @@ def token_rounding_method(router, logits_TE: Tensor, topk: TopK, backend) -> tup
                                   residual_E=router.balance_residual_E if balance else None, group=router.ep_group)
     if balance and not recomputing():
         router.balance_pending_E.copy_(router.balance_residual_E + rounded.topk_counts_E - rounded.rounded_E)
-    return rounded.plan, count_per_expert(topk.expert_idx_TK, router.num_experts)
+    return topk, rounded.plan, count_per_expert(topk.expert_idx_TK, router.num_experts)

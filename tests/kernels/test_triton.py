@@ -181,14 +181,16 @@ def test_no_recompile_or_retune_across_row_counts(triton_device):
     def step(plan):
         run(experts, x, w1, w2, b1, b2, plan, dout)
 
-    step(routing.route_topk(torch.randn(T, E, device=triton_device), 2))
+    no_bias = torch.zeros(E, device=triton_device)
+    step(routing.route_topk(torch.randn(T, E, device=triton_device), no_bias, 2, "topk_softmax", False)[1])
     entries, chosen = _jit_entries(), tuning.chosen()
     rows = []
     for i in range(5):
         plan = variable_plan(T, E, triton_device, gen)
         rows.append(plan.num_rows)
         step(plan)
-        routing.route_topk(torch.randn(T - 7 * i - 1, E, device=triton_device), 2)  # T varies too
+        routing.route_topk(torch.randn(T - 7 * i - 1, E, device=triton_device), no_bias, 2, "topk_softmax",
+                           False)  # T varies too
     assert len(set(rows)) >= 4, rows
     assert _jit_entries() == entries, "a different routed-row count recompiled a kernel"
     assert tuning.chosen() == chosen, "a different routed-row count re-tuned"

@@ -42,11 +42,16 @@ def check_parity(device: str, cases, dtypes=(torch.float32,)) -> None:
                 got, want, grads = {}, {}, {}
                 for name, backend in (("triton", routing), ("torch", token_choice)):
                     logits = make_logits(T, E, ties, dtype, device, seed).requires_grad_()
-                    topk = backend.select_topk(logits, bias_E, K, order, renorm)
-                    plan = backend.plan_from_topk(topk.expert_idx_TK, topk.gates_TK, E)
+                    topk, plan = backend.route_topk(logits, bias_E, K, order, renorm)
                     loss = losses(topk, E, T, torch.Generator().manual_seed(seed))
+                    loss = loss + (plan.scores_R * torch.arange(plan.num_rows, device=device)).sum() * 1e-3
                     (grads[name],) = torch.autograd.grad(loss, logits)
-                    (got if name == "triton" else want)["topk"], (got if name == "triton" else want)["plan"] = topk, plan
+                    (got if name == "triton" else want).update(topk=topk, plan=plan)
+                    alone = backend.select_topk(logits, bias_E, K, order, renorm)  # the op the other methods use
+                    (grads[name + " alone"],) = torch.autograd.grad(losses(alone, E, T, torch.Generator().manual_seed(
+                        seed)), logits)
+                    for field in ("expert_idx_TK", "gates_TK", "lse_T", "probsum_E"):
+                        torch.testing.assert_close(getattr(alone, field), getattr(topk, field), msg=field)
                 what = f"T={T} E={E} K={K} ties={ties} bias={biased} {dtype} {order} renorm={renorm}"
                 assert got["topk"].expert_idx_TK.dtype == torch.int64
                 assert torch.equal(got["topk"].expert_idx_TK, want["topk"].expert_idx_TK), what
@@ -55,14 +60,16 @@ def check_parity(device: str, cases, dtypes=(torch.float32,)) -> None:
                                                rtol=1e-5, atol=1e-5, msg=f"{field}: {what}")
                 assert grads["triton"].dtype == dtype
                 tol = 1e-5 if dtype == torch.float32 else 1e-2
-                torch.testing.assert_close(grads["triton"].float(), grads["torch"].float(), rtol=tol, atol=tol,
-                                           msg=f"d logits: {what}")
+                for which in ("", " alone"):
+                    torch.testing.assert_close(grads["triton" + which].float(), grads["torch" + which].float(),
+                                               rtol=tol, atol=tol, msg=f"d logits{which}: {what}")
                 for field in FIELDS:
                     assert torch.equal(getattr(got["plan"], field), getattr(want["plan"], field)), f"{field}: {what}"
                 torch.testing.assert_close(got["plan"].scores_R, want["plan"].scores_R.float(), rtol=1e-5, atol=1e-6)
 
 
-CPU_CASES = [(37, 8, 2, False, False), (64, 12, 3, True, True), (5, 3, 3, True, False), (1, 4, 1, False, True)]
+CPU_CASES = [(37, 8, 2, False, False), (64, 12, 3, True, True), (5, 3, 3, True, False), (1, 4, 1, False, True),
+             (700, 8, 2, True, True)]  # the last: several chunks of the counting sort
 GPU_CASES = CPU_CASES + [(4096, 128, 8, False, True), (1000, 128, 8, True, True), (333, 512, 10, False, True),
                          (257, 64, 4, True, False), (2048, 256, 16, False, False)]
 

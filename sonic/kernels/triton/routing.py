@@ -61,43 +61,55 @@ def _softmax_rows(logits_TE, t, e, T, E: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _select_kernel(logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, T, E: tl.constexpr, K: tl.constexpr,
-                   ORDER: tl.constexpr, RENORM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
-    """K rounds of (max, lowest index attaining it) of logits + bias per token, then the gates."""
+def _select_kernel(logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, T, E: tl.constexpr,
+                   K: tl.constexpr, ORDER: tl.constexpr, RENORM: tl.constexpr, COUNT: tl.constexpr, SUB: tl.constexpr,
+                   BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
+    """Chunk c = SUB tiles of BT tokens. Per token: K rounds of (max, lowest index attaining it) of logits +
+    bias, then the gates. Per chunk (no atomics, so deterministic): the softmax summed over its tokens and,
+    with COUNT, its picks per expert (what the plan's counting sort scans)."""
     c = tl.program_id(0)
-    t = c * BT + tl.arange(0, BT)
     e = tl.arange(0, BE)
-    x, P, lse, tm, em = _softmax_rows(logits_TE, t, e, T, E)
-    tl.store(lse_T + t, lse, mask=tm)
-    tl.store(probsum_CE + c.to(tl.int64) * E + e, tl.sum(tl.where(tm[:, None], P, 0.0), axis=0), mask=em)
+    em = e < E
     bias = tl.load(bias_E + e, mask=em, other=0.0)
-    taken = (~em)[None, :] | (t < 0)[:, None]  # padding columns never win
-    sel = x + bias[None, :]
     kk = tl.arange(0, KP)
-    top_i = tl.zeros((BT, KP), tl.int32)
-    top_x = tl.full((BT, KP), float("-inf"), tl.float32)  # the unbiased logit of each pick
-    top_p = tl.zeros((BT, KP), tl.float32)  # its full-softmax probability
-    for k in tl.static_range(K):
-        sv = tl.where(taken, float("-inf"), sel)
-        m = tl.max(sv, axis=1)
-        i = tl.min(tl.where((sv == m[:, None]) & ~taken, e[None, :], BE), axis=1)
-        hit = e[None, :] == i[:, None]
-        top_i = tl.where(kk[None, :] == k, i[:, None], top_i)
-        top_x = tl.where(kk[None, :] == k, tl.sum(tl.where(hit, x, 0.0), axis=1)[:, None], top_x)
-        top_p = tl.where(kk[None, :] == k, tl.sum(tl.where(hit, P, 0.0), axis=1)[:, None], top_p)
-        taken = taken | hit
-    if ORDER == 0:  # softmax over the K picked logits
-        mx = tl.max(top_x, axis=1)
-        g = tl.where(kk[None, :] < K, tl.exp(top_x - mx[:, None]), 0.0)
-        g = g / tl.sum(g, axis=1)[:, None]
-    else:
-        g = tl.where(kk[None, :] < K, top_p, 0.0)
-        if RENORM:
+    probsum = tl.zeros((BE,), tl.float32)
+    counts = tl.zeros((BE,), tl.int32)
+    for sub in range(SUB):
+        t = (c * SUB + sub) * BT + tl.arange(0, BT)
+        x, P, lse, tm, _ = _softmax_rows(logits_TE, t, e, T, E)
+        tl.store(lse_T + t, lse, mask=tm)
+        probsum += tl.sum(tl.where(tm[:, None], P, 0.0), axis=0)
+        taken = (~em)[None, :] | (t < 0)[:, None]  # padding columns never win
+        sel = x + bias[None, :]
+        top_i = tl.zeros((BT, KP), tl.int32)
+        top_x = tl.full((BT, KP), float("-inf"), tl.float32)  # the unbiased logit of each pick
+        top_p = tl.zeros((BT, KP), tl.float32)  # its full-softmax probability
+        for k in tl.static_range(K):
+            sv = tl.where(taken, float("-inf"), sel)
+            m = tl.max(sv, axis=1)
+            i = tl.min(tl.where((sv == m[:, None]) & ~taken, e[None, :], BE), axis=1)
+            hit = e[None, :] == i[:, None]
+            top_i = tl.where(kk[None, :] == k, i[:, None], top_i)
+            top_x = tl.where(kk[None, :] == k, tl.sum(tl.where(hit, x, 0.0), axis=1)[:, None], top_x)
+            top_p = tl.where(kk[None, :] == k, tl.sum(tl.where(hit, P, 0.0), axis=1)[:, None], top_p)
+            if COUNT:
+                counts += tl.sum(tl.where(hit & tm[:, None], 1, 0), axis=0)
+            taken = taken | hit
+        if ORDER == 0:  # softmax over the K picked logits
+            mx = tl.max(top_x, axis=1)
+            g = tl.where(kk[None, :] < K, tl.exp(top_x - mx[:, None]), 0.0)
             g = g / tl.sum(g, axis=1)[:, None]
-    om = tm[:, None] & (kk < K)[None, :]
-    out = t.to(tl.int64)[:, None] * K + kk[None, :]
-    tl.store(idx_TK + out, top_i.to(tl.int64), mask=om)
-    tl.store(gates_TK + out, g, mask=om)
+        else:
+            g = tl.where(kk[None, :] < K, top_p, 0.0)
+            if RENORM:
+                g = g / tl.sum(g, axis=1)[:, None]
+        om = tm[:, None] & (kk < K)[None, :]
+        out = t.to(tl.int64)[:, None] * K + kk[None, :]
+        tl.store(idx_TK + out, top_i.to(tl.int64), mask=om)
+        tl.store(gates_TK + out, g, mask=om)
+    tl.store(probsum_CE + c.to(tl.int64) * E + e, probsum, mask=em)
+    if COUNT:
+        tl.store(counts_CE + c.to(tl.int64) * E + e, counts, mask=em)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -145,99 +157,93 @@ def _select_backward_kernel(logits_TE, idx_TK, gates_TK, lse_T, dgates_TK, dprob
     tl.store(dlogits_TE + t.to(tl.int64)[:, None] * E + e[None, :], d, mask=tm[:, None] & em[None, :])
 
 
-@torch.library.custom_op("sonic::select_topk", mutates_args=())
-def _select(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool
-            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _chunks(E: int, K: int) -> dict:
+    """The select kernel's tiles and chunk: a chunk of CT = SUB * BT tokens is also the plan's sort unit
+    (CT * KP keys sorted in registers)."""
+    tiles = _tiles(E, K)
+    ct = max(tiles["BT"], 512 // tiles["KP"])
+    return dict(tiles, SUB=ct // tiles["BT"])
+
+
+def _select_launch(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool, count: bool):
     T, E = logits_TE.shape
     dev = logits_TE.device
-    tiles = _tiles(E, k)
-    C = triton.cdiv(T, tiles["BT"])
+    cfg = _chunks(E, k)
+    C = triton.cdiv(T, cfg["BT"] * cfg["SUB"])
     idx_TK = _alloc((T, k), torch.int64, dev)
     gates_TK = _alloc((T, k), torch.float32, dev)
     lse_T = _alloc((T,), torch.float32, dev)
     probsum_CE = _alloc((C, E), torch.float32, dev)
+    counts_CE = _alloc((C, E), torch.int32, dev) if count else probsum_CE
     if T:
-        _select_kernel[(C,)](logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, T, E=E, K=k,
-                             ORDER=ORDERS[order], RENORM=renormalize, **tiles)
+        _select_kernel[(C,)](logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, T, E=E, K=k,
+                             ORDER=ORDERS[order], RENORM=renormalize, COUNT=count, **cfg)
+    return idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, cfg
+
+
+@torch.library.custom_op("sonic::select_topk", mutates_args=())
+def _select(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    idx_TK, gates_TK, lse_T, probsum_CE, _, _ = _select_launch(logits_TE, bias_E, k, order, renormalize, False)
     return idx_TK, gates_TK, lse_T, probsum_CE.sum(0)  # a fixed-order sum: deterministic
 
 
-@_select.register_fake
-def _(logits_TE, bias_E, k, order, renormalize):
+def _select_fake(logits_TE, k):
     T, E = logits_TE.shape
     f32 = dict(dtype=torch.float32, device=logits_TE.device)
     return (logits_TE.new_empty((T, k), dtype=torch.int64), logits_TE.new_empty((T, k), **f32),
             logits_TE.new_empty((T,), **f32), logits_TE.new_empty((E,), **f32))
 
 
-@torch.library.custom_op("sonic::select_topk_backward", mutates_args=())
-def _select_backward(logits_TE: Tensor, idx_TK: Tensor, gates_TK: Tensor, lse_T: Tensor, dgates_TK: Tensor,
-                     dprobsum_E: Tensor, dlse_T: Tensor, order: str, renormalize: bool) -> Tensor:
+@_select.register_fake
+def _(logits_TE, bias_E, k, order, renormalize):
+    return _select_fake(logits_TE, k)
+
+
+@torch.library.custom_op("sonic::route_topk", mutates_args=())
+def _route(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool) -> list[Tensor]:
+    """select_topk and the plan of its picks in one op: (idx_TK, gates_TK, lse_T, probsum_E) and the plan's
+    (token_idx_R, expert_idx_R, order_R, expert_offsets_E1, token_offsets_T1, rows_by_token_R), where
+    order_R is each row's position in idx_TK.view(-1). Four launches: select (with per-chunk counts), the
+    scan over chunks (with the probsum), the expert offsets, the scatter."""
     T, E = logits_TE.shape
-    K = idx_TK.shape[1]
-    dlogits_TE = _alloc((T, E), logits_TE.dtype, logits_TE.device)
+    dev, R = logits_TE.device, T * k
+    idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, cfg = _select_launch(logits_TE, bias_E, k, order, renormalize,
+                                                                         True)
+    C, be = counts_CE.shape[0], max(16, min(128, triton.next_power_of_2(E)))
+    base_CE = _alloc((C, E), torch.int32, dev)
+    total_E = _alloc((E,), torch.int32, dev)
+    probsum_E = _alloc((E,), torch.float32, dev)
+    expert_offsets_E1 = _alloc((E + 1,), torch.int32, dev)
+    token_idx_R, expert_idx_R, order_R, rows_by_token_R = (_alloc((R,), torch.int32, dev) for _ in range(4))
+    _scan_chunks_kernel[(triton.cdiv(E, be),)](counts_CE, probsum_CE, base_CE, total_E, probsum_E, C, E=E, BC=32,
+                                               BE=be, num_warps=4)
+    _expert_offsets_kernel[(1,)](total_E, expert_offsets_E1, E=E,
+                                 BE=max(16, min(4096, triton.next_power_of_2(E))), num_warps=4)
     if T:
-        tiles = _tiles(E, K)
-        _select_backward_kernel[(triton.cdiv(T, tiles["BT"]),)](
-            logits_TE, idx_TK, gates_TK, lse_T, dgates_TK.contiguous(), dprobsum_E.float().contiguous(),
-            dlse_T.float().contiguous(), dlogits_TE, T, E=E, K=K, ORDER=ORDERS[order], RENORM=renormalize, **tiles)
-    return dlogits_TE
+        _scatter_kernel[(C,)](idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_R, order_R,
+                              rows_by_token_R, T, E=E, K=k, BT=cfg["BT"] * cfg["SUB"], KP=cfg["KP"], num_warps=8)
+    token_offsets_T1 = torch.arange(0, R + 1, k, dtype=torch.int32, device=dev)
+    return [idx_TK, gates_TK, lse_T, probsum_E, token_idx_R, expert_idx_R, order_R, expert_offsets_E1,
+            token_offsets_T1, rows_by_token_R]
 
 
-@_select_backward.register_fake
-def _(logits_TE, idx_TK, gates_TK, lse_T, dgates_TK, dprobsum_E, dlse_T, order, renormalize):
-    return torch.empty_like(logits_TE)
-
-
-def _select_setup(ctx, inputs, output):
-    logits_TE, _, _, order, renormalize = inputs
-    idx_TK, gates_TK, lse_T, _ = output
-    ctx.save_for_backward(logits_TE, idx_TK, gates_TK, lse_T)
-    ctx.order, ctx.renormalize = order, renormalize
-
-
-def _select_autograd(ctx, _didx, dgates_TK, dlse_T, dprobsum_E):
-    logits_TE, idx_TK, gates_TK, lse_T = ctx.saved_tensors
-    zeros = lambda t, like: torch.zeros_like(like) if t is None else t  # noqa: E731
-    dlogits_TE = _select_backward(logits_TE, idx_TK, gates_TK, lse_T, zeros(dgates_TK, gates_TK),
-                                  zeros(dprobsum_E, lse_T.new_empty(logits_TE.shape[1])), zeros(dlse_T, lse_T),
-                                  ctx.order, ctx.renormalize)
-    return dlogits_TE, None, None, None, None
-
-
-_select.register_autograd(_select_autograd, setup_context=_select_setup)
-
-
-def select_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool) -> TopK:
-    """The torch backend's sonic.routing.token_choice.select_topk, fused: see the module docstring."""
-    if logits_TE.dim() != 2:
-        raise ValueError(f"logits_TE must be (tokens, experts), got {tuple(logits_TE.shape)}")
-    if not 1 <= k <= logits_TE.shape[1]:
-        raise ValueError(f"top_k={k} must be between 1 and the number of experts {logits_TE.shape[1]}")
-    idx_TK, gates_TK, lse_T, probsum_E = _select(logits_TE.contiguous(), bias_E.float().contiguous(), k, order,
-                                                renormalize)
-    return TopK(idx_TK, gates_TK, probsum_E, lse_T)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _count_kernel(idx_TK, counts_CE, T, E: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                  KP: tl.constexpr):
-    """counts[c, e] = pairs of chunk c routed to e (integer atomics: exact, order-free)."""
-    c = tl.program_id(0)
-    t = c * BT + tl.arange(0, BT)
-    k = tl.arange(0, KP)
-    m = (t < T)[:, None] & (k < K)[None, :]
-    e = tl.load(idx_TK + t.to(tl.int64)[:, None] * K + k[None, :], mask=m, other=0)
-    tl.atomic_add(counts_CE + c.to(tl.int64) * E + e, tl.full((BT, KP), 1, tl.int32), mask=m, sem="relaxed")
+@_route.register_fake
+def _(logits_TE, bias_E, k, order, renormalize):
+    T, E = logits_TE.shape
+    i32 = lambda n: logits_TE.new_empty((n,), dtype=torch.int32)  # noqa: E731
+    return [*_select_fake(logits_TE, k), i32(T * k), i32(T * k), i32(T * k), i32(E + 1), i32(T + 1), i32(T * k)]
 
 
 @triton.jit(do_not_specialize=["C"])
-def _scan_chunks_kernel(counts_CE, base_CE, total_E, C, E: tl.constexpr, BC: tl.constexpr,
+def _scan_chunks_kernel(counts_CE, probsum_CE, base_CE, total_E, probsum_E, C, E: tl.constexpr, BC: tl.constexpr,
                         BE: tl.constexpr):
-    """base[c, e] = sum_{c' < c} counts[c', e]; total[e] = sum_c counts[c, e]."""
+    """base[c, e] = sum_{c' < c} counts[c', e]; total[e] = sum_c counts[c, e]; probsum[e] = sum_c probsum[c, e]
+    (in chunk order: deterministic)."""
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     em = e < E
     carry = tl.zeros((BE,), tl.int32)
+    psum = tl.zeros((BE,), tl.float32)
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
         m = (c < C)[:, None] & em[None, :]
@@ -246,7 +252,9 @@ def _scan_chunks_kernel(counts_CE, base_CE, total_E, C, E: tl.constexpr, BC: tl.
         incl = tl.cumsum(v, axis=0)
         tl.store(base_CE + ptr, carry[None, :] + incl - v, mask=m)
         carry += tl.sum(v, axis=0)
+        psum += tl.sum(tl.load(probsum_CE + ptr, mask=m, other=0.0), axis=0)
     tl.store(total_E + e, carry, mask=em)
+    tl.store(probsum_E + e, psum, mask=em)
 
 
 @triton.jit
@@ -307,62 +315,70 @@ def _scatter_kernel(idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_
     tl.store(rows_by_token_R + t_s.to(tl.int64) * K + slot_s, row, mask=valid)
 
 
-@torch.library.custom_op("sonic::plan_from_topk", mutates_args=())
-def _plan_indices(expert_idx_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(token_idx_R, expert_idx_R, order_R, expert_offsets_E1, token_offsets_T1, rows_by_token_R), int32,
-    where order_R is each row's position in expert_idx_TK.view(-1)."""
-    T, K = expert_idx_TK.shape
-    E, dev, R = num_experts, expert_idx_TK.device, T * K
-    be = max(16, min(128, triton.next_power_of_2(E)))
-    kp = max(2, triton.next_power_of_2(K))
-    bt = max(16, 1024 // kp)  # a chunk sorts bt * kp keys
-    C, EB = triton.cdiv(T, bt), triton.cdiv(E, be)
-    counts_CE = torch.zeros((C, E), dtype=torch.int32, device=dev)  # atomics accumulate into it
-    base_CE = _alloc((C, E), torch.int32, dev)
-    total_E = _alloc((E,), torch.int32, dev)
-    expert_offsets_E1 = _alloc((E + 1,), torch.int32, dev)
-    token_idx_R, expert_idx_R, order_R, rows_by_token_R = (_alloc((R,), torch.int32, dev) for _ in range(4))
+@torch.library.custom_op("sonic::select_topk_backward", mutates_args=())
+def _select_backward(logits_TE: Tensor, idx_TK: Tensor, gates_TK: Tensor, lse_T: Tensor, dgates_TK: Tensor,
+                     dprobsum_E: Tensor, dlse_T: Tensor, order: str, renormalize: bool) -> Tensor:
+    T, E = logits_TE.shape
+    K = idx_TK.shape[1]
+    dlogits_TE = _alloc((T, E), logits_TE.dtype, logits_TE.device)
     if T:
-        _count_kernel[(C,)](expert_idx_TK, counts_CE, T, E=E, K=K, BT=bt, KP=kp, num_warps=4)
-        _scan_chunks_kernel[(EB,)](counts_CE, base_CE, total_E, C, E=E, BC=32, BE=be, num_warps=4)
-    else:
-        total_E.zero_()
-    _expert_offsets_kernel[(1,)](total_E, expert_offsets_E1, E=E,
-                                 BE=max(16, min(4096, triton.next_power_of_2(E))), num_warps=4)
-    if T:
-        _scatter_kernel[(C,)](expert_idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_R, order_R,
-                              rows_by_token_R, T, E=E, K=K, BT=bt, KP=kp, num_warps=8)
-    token_offsets_T1 = torch.arange(0, R + 1, K, dtype=torch.int32, device=dev)
-    return token_idx_R, expert_idx_R, order_R, expert_offsets_E1, token_offsets_T1, rows_by_token_R
+        tiles = _tiles(E, K)
+        _select_backward_kernel[(triton.cdiv(T, tiles["BT"]),)](
+            logits_TE, idx_TK, gates_TK, lse_T, dgates_TK.contiguous(), dprobsum_E.float().contiguous(),
+            dlse_T.float().contiguous(), dlogits_TE, T, E=E, K=K, ORDER=ORDERS[order], RENORM=renormalize, **tiles)
+    return dlogits_TE
 
 
-@_plan_indices.register_fake
-def _(expert_idx_TK, num_experts):
-    T, K = expert_idx_TK.shape
-    i32 = lambda n: expert_idx_TK.new_empty((n,), dtype=torch.int32)  # noqa: E731
-    return i32(T * K), i32(T * K), i32(T * K), i32(num_experts + 1), i32(T + 1), i32(T * K)
+@_select_backward.register_fake
+def _(logits_TE, idx_TK, gates_TK, lse_T, dgates_TK, dprobsum_E, dlse_T, order, renormalize):
+    return torch.empty_like(logits_TE)
 
 
-def plan_from_topk(expert_idx_TK: Tensor, scores_TK: Tensor, num_experts: int) -> RoutingPlan:
-    """Same plan as sonic.routing.plan.plan_from_topk, built by Triton kernels without a sync.
+def _setup(ctx, inputs, output):
+    logits_TE, _, _, order, renormalize = inputs
+    idx_TK, gates_TK, lse_T = output[:3]
+    ctx.save_for_backward(logits_TE, idx_TK, gates_TK, lse_T)
+    ctx.order, ctx.renormalize = order, renormalize
 
-    Every token must have K distinct experts in [0, num_experts). scores_R = scores_TK
-    reordered, keeping its autograd history.
-    """
-    if expert_idx_TK.dim() != 2 or expert_idx_TK.shape != scores_TK.shape:
-        raise ValueError(f"expert_idx_TK {tuple(expert_idx_TK.shape)} and scores_TK "
-                         f"{tuple(scores_TK.shape)} must both be (tokens, K)")
-    token_idx_R, expert_idx_R, order_R, expert_offsets_E1, token_offsets_T1, rows_by_token_R = _plan_indices(
-        expert_idx_TK.contiguous(), num_experts)
+
+def _backward(ctx, grads):
+    """Both ops' backward: the gradients of (gates, lse, probsum) -> d logits; the rest has none."""
+    logits_TE, idx_TK, gates_TK, lse_T = ctx.saved_tensors
+    dgates_TK, dlse_T, dprobsum_E = grads[1:4]
+    zeros = lambda g, like: torch.zeros_like(like) if g is None else g  # noqa: E731
+    dlogits_TE = _select_backward(logits_TE, idx_TK, gates_TK, lse_T, zeros(dgates_TK, gates_TK),
+                                  zeros(dprobsum_E, lse_T.new_empty(logits_TE.shape[1])), zeros(dlse_T, lse_T),
+                                  ctx.order, ctx.renormalize)
+    return dlogits_TE, None, None, None, None
+
+
+_select.register_autograd(lambda ctx, *grads: _backward(ctx, grads), setup_context=_setup)
+_route.register_autograd(lambda ctx, grads: _backward(ctx, grads), setup_context=_setup)
+
+
+def _check(logits_TE: Tensor, k: int) -> None:
+    if logits_TE.dim() != 2:
+        raise ValueError(f"logits_TE must be (tokens, experts), got {tuple(logits_TE.shape)}")
+    if not 1 <= k <= logits_TE.shape[1]:
+        raise ValueError(f"top_k={k} must be between 1 and the number of experts {logits_TE.shape[1]}")
+
+
+def select_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool) -> TopK:
+    """The torch backend's sonic.routing.token_choice.select_topk, fused: see the module docstring."""
+    _check(logits_TE, k)
+    idx_TK, gates_TK, lse_T, probsum_E = _select(logits_TE.contiguous(), bias_E.float().contiguous(), k, order,
+                                                renormalize)
+    return TopK(idx_TK, gates_TK, probsum_E, lse_T)
+
+
+def route_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool) -> tuple[TopK, RoutingPlan]:
+    """select_topk and the plan of its picks (the same as sonic.routing.plan.plan_from_topk's), on device
+    with no host sync, in one op."""
+    _check(logits_TE, k)
+    idx_TK, gates_TK, lse_T, probsum_E, token_idx_R, expert_idx_R, order_R, expert_offsets_E1, token_offsets_T1, \
+        rows_by_token_R = _route(logits_TE.contiguous(), bias_E.float().contiguous(), k, order, renormalize)
     # index_select by a permutation: its backward is an index_add without collisions (no sort)
-    return RoutingPlan(token_idx_R=token_idx_R, expert_idx_R=expert_idx_R,
-                       scores_R=scores_TK.reshape(-1).index_select(0, order_R),
-                       expert_offsets_E1=expert_offsets_E1, token_offsets_T1=token_offsets_T1,
-                       rows_by_token_R=rows_by_token_R)
-
-
-def route_topk(logits_TE: Tensor, k: int) -> RoutingPlan:
-    """Top-K + softmax over the picks + plan, all on device (no expert bias): for benchmarks of the layer."""
-    topk = select_topk(logits_TE, logits_TE.new_zeros(logits_TE.shape[1], dtype=torch.float32), k,
-                       "topk_softmax", False)
-    return plan_from_topk(topk.expert_idx_TK, topk.gates_TK, logits_TE.shape[1])
+    plan = RoutingPlan(token_idx_R=token_idx_R, expert_idx_R=expert_idx_R,
+                       scores_R=gates_TK.reshape(-1).index_select(0, order_R), expert_offsets_E1=expert_offsets_E1,
+                       token_offsets_T1=token_offsets_T1, rows_by_token_R=rows_by_token_R)
+    return TopK(idx_TK, gates_TK, probsum_E, lse_T), plan
