@@ -93,24 +93,28 @@ def _offsets(sorted_ids: Tensor, num_ids: int) -> Tensor:
 
 
 def build_plan(token_idx: Tensor, expert_idx: Tensor, scores: Tensor, num_tokens: int,
-               num_experts: int) -> RoutingPlan:
-    """Build a plan from unordered (token, expert, score) triples.
+               num_experts: int, sorted_by_expert: bool = False) -> RoutingPlan:
+    """Build a plan from unordered (token, expert, score) triples, or from triples already sorted by
+    (expert, token) when `sorted_by_expert` (no sort needed then).
 
     Each (token, expert) pair must appear at most once. Runs on the triples' device with
     no host synchronisation; `scores` keeps its autograd history.
     """
     assert token_idx.shape == expert_idx.shape == scores.shape and token_idx.dim() == 1
-    key = expert_idx.long() * num_tokens + token_idx.long()
-    order = torch.argsort(key)
-    token_idx_R = token_idx[order].to(torch.int32)
-    expert_idx_R = expert_idx[order].to(torch.int32)
+    if sorted_by_expert:
+        token_idx_R, expert_idx_R, scores_R = token_idx.to(torch.int32), expert_idx.to(torch.int32), scores
+    else:
+        order = torch.argsort(expert_idx.long() * num_tokens + token_idx.long())
+        token_idx_R = token_idx[order].to(torch.int32)
+        expert_idx_R = expert_idx[order].to(torch.int32)
+        # index_select, not scores[order]: its backward is an index_add (order is a permutation, so
+        # no two rows collide), where advanced indexing's backward sorts: 1.2 ms per layer at T*K=131k
+        scores_R = scores.index_select(0, order)
     rows_by_token_R = torch.argsort(token_idx_R, stable=True).to(torch.int32)
     return RoutingPlan(
         token_idx_R=token_idx_R,
         expert_idx_R=expert_idx_R,
-        # index_select, not scores[order]: its backward is an index_add (order is a permutation, so
-        # no two rows collide), where advanced indexing's backward sorts: 1.2 ms per layer at T*K=131k
-        scores_R=scores.index_select(0, order),
+        scores_R=scores_R,
         expert_offsets_E1=_offsets(expert_idx_R, num_experts),
         token_offsets_T1=_offsets(token_idx_R[rows_by_token_R.long()], num_tokens),
         rows_by_token_R=rows_by_token_R,

@@ -74,17 +74,12 @@ def tile_bounds(counts_E: Tensor, tile: int, num_tokens: int) -> tuple[Tensor, T
     return down_E, up_E
 
 
-def _segment_sums(ranked_TE: Tensor, lo_E: Tensor, hi_E: Tensor) -> Tensor:
-    """Per column e, the sum of ranked_TE[lo_e:hi_e, e]."""
-    csum_T1E = torch.nn.functional.pad(ranked_TE.cumsum(0), (0, 0, 1, 0))
-    return csum_T1E.gather(0, hi_E[None]).squeeze(0) - csum_T1E.gather(0, lo_E[None]).squeeze(0)
-
-
 def round_counts(counts_E: Tensor, tile: int, mode: str, num_tokens: int, *,
-                 ranked_gates_TE: Tensor | None = None, residual_E: Tensor | None = None,
+                 ranked_sums: tuple[Tensor, Tensor] | None = None, residual_E: Tensor | None = None,
                  uniform_E: Tensor | None = None) -> Tensor:
-    """c_e per the module docstring. nearest_score needs the ranked gates, balance the residual;
-    stochastic draws its own uniforms unless given `uniform_E`."""
+    """c_e per the module docstring. nearest_score needs `ranked_sums`, (the summed P of the up_e - f_e EC
+    candidates rounding up would add, the summed gates of the f_e - down_e TC picks rounding down would
+    drop); balance the residual; stochastic draws its own uniforms unless given `uniform_E`."""
     down_E, up_E = tile_bounds(counts_E, tile, num_tokens)
     rem_E = counts_E - down_E
     if mode == "nearest":
@@ -94,9 +89,8 @@ def round_counts(counts_E: Tensor, tile: int, mode: str, num_tokens: int, *,
             uniform_E = torch.rand(counts_E.shape, device=counts_E.device)
         go_up_E = uniform_E * tile < rem_E
     elif mode == "nearest_score":
-        assert ranked_gates_TE is not None
-        added_E = _segment_sums(ranked_gates_TE, counts_E, up_E)
-        dropped_E = _segment_sums(ranked_gates_TE, down_E, counts_E)
+        assert ranked_sums is not None
+        added_E, dropped_E = ranked_sums
         go_up_E = added_E <= dropped_E
     elif mode == "balance":
         assert residual_E is not None
@@ -118,34 +112,109 @@ def rank_candidates(gate_TE: Tensor, is_topk_TE: Tensor, probs_TE: Tensor) -> Te
     return by_prob_TE.gather(0, by_key_TE)
 
 
+class _RankedPicks(NamedTuple):
+    """The TC picks as rows (token-major, as in expert_idx_TK.view(-1)) and their rank in their expert's
+    ranking (gate desc, P desc, token asc); `sorted_gate_R`/`start_E` list the gates in rank order."""
+    token_R: Tensor
+    expert_R: Tensor
+    rank_R: Tensor
+    sorted_gate_R: Tensor
+    start_E: Tensor
+
+
+def _rank_picks(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, counts_E: Tensor) -> _RankedPicks:
+    """Three stable sorts of the T*K picks (not of T x E): P desc, then gate desc, then expert asc, starting
+    from token order, leave each expert's picks in ranking order."""
+    T, K = expert_idx_TK.shape
+    dev = probs_TE.device
+    token_R = torch.arange(T, device=dev).repeat_interleave(K)
+    expert_R = expert_idx_TK.reshape(-1)
+    gate_R = gates_TK.reshape(-1)
+    order_R = probs_TE[token_R, expert_R].argsort(descending=True, stable=True)
+    order_R = order_R.gather(0, gate_R.gather(0, order_R).argsort(descending=True, stable=True))
+    order_R = order_R.gather(0, expert_R.gather(0, order_R).argsort(stable=True))
+    start_E = counts_E.cumsum(0) - counts_E
+    rank_R = torch.empty_like(order_R).scatter_(
+        0, order_R, torch.arange(order_R.numel(), device=dev) - start_E.gather(0, expert_R.gather(0, order_R)))
+    return _RankedPicks(token_R, expert_R, rank_R, gate_R.gather(0, order_R), start_E)
+
+
+def _top_candidates(probs_ec_TE: Tensor, take_E: Tensor, top_ME: Tensor) -> Tensor:
+    """T x E mask of each expert's best take_e EC candidates by (P desc, token asc); `top_ME` holds the
+    candidates' M largest P per expert (descending), take_e < M. A threshold, not a sort: every candidate
+    above the take_e-th value, then the lowest tokens among those equal to it."""
+    threshold_E = top_ME.gather(0, (take_E - 1).clamp(0, top_ME.shape[0] - 1)[None]).squeeze(0)
+    above_TE = probs_ec_TE > threshold_E
+    tied_TE = probs_ec_TE == threshold_E
+    room_E = take_E - above_TE.sum(0)
+    return (above_TE | (tied_TE & (tied_TE.cumsum(0) <= room_E))) & (take_E > 0)
+
+
+def _segment_sum(sorted_R: Tensor, start_E: Tensor, lo_E: Tensor, hi_E: Tensor) -> Tensor:
+    """Per expert e, the sum of sorted_R[start_e + lo_e : start_e + hi_e] (in a fixed order; in fp64, as
+    differences of a running sum over all T*K picks)."""
+    csum_R1 = torch.nn.functional.pad(sorted_R.double().cumsum(0), (1, 0))
+    return csum_R1.gather(0, start_E + hi_E) - csum_R1.gather(0, start_E + lo_E)
+
+
 def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, tile: int, mode: str,
                         residual_E: Tensor | None = None, group: dist.ProcessGroup | None = None) -> RoundedPlan:
     """The rounded plan from the full softmax and the TC top-K picks with their gates; with an ep
-    `group`, rounded over the group's whole batch (module docstring)."""
+    `group`, rounded over the group's whole batch (module docstring).
+
+    Only the boundary of each expert's ranking moves (|c_e - f_e| < M), so no T x E sort is needed: the TC
+    picks are ranked by three sorts of the T*K picks, and the EC candidates enter by a threshold on their
+    M largest probabilities per expert. The ep group's path merges windows of the full ranking instead.
+    """
+    if group is not None:
+        return _token_rounding_plan_ep(probs_TE, expert_idx_TK, gates_TK, tile, mode, residual_E, group)
+    T, E = probs_TE.shape
+    dev = probs_TE.device
+    counts_E = count_per_expert(expert_idx_TK, E)
+    gate_TE = probs_TE.scatter(1, expert_idx_TK, gates_TK)  # TC: top-K gate, EC: P_te (both differentiable)
+    with torch.no_grad():
+        picks = _rank_picks(probs_TE.detach(), expert_idx_TK, gates_TK.detach(), counts_E)
+        is_topk_TE = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(1, expert_idx_TK, True)
+        probs_ec_TE = probs_TE.detach().masked_fill(is_topk_TE, -torch.inf)
+        top_ME = probs_ec_TE.topk(min(tile, T), dim=0).values
+        ranked_sums = None
+        if mode == "nearest_score":  # (added: the best up-f EC P's, dropped: the weakest f-down TC gates)
+            down_E, up_E = tile_bounds(counts_E, tile, T)
+            added_E = torch.nn.functional.pad(top_ME.double().cumsum(0), (0, 0, 1, 0)).gather(0, (up_E - counts_E)[None])[0]
+            ranked_sums = (added_E, _segment_sum(picks.sorted_gate_R, picks.start_E, down_E, counts_E))
+        rounded_E = round_counts(counts_E, tile, mode, T, ranked_sums=ranked_sums, residual_E=residual_E)
+        keep_R = picks.rank_R < rounded_E.gather(0, picks.expert_R)
+        keep_TE = _top_candidates(probs_ec_TE, (rounded_E - counts_E).clamp_min(0), top_ME)
+        keep_TE.view(-1).scatter_(0, picks.token_R * E + picks.expert_R, keep_R)
+        expert_idx, token_idx = keep_TE.T.nonzero(as_tuple=True)  # the one host sync: the kept row count
+    scores = gate_TE.view(-1).index_select(0, token_idx * E + expert_idx)
+    plan = build_plan(token_idx, expert_idx, scores, T, E, sorted_by_expert=True)
+    return RoundedPlan(plan, counts_E, rounded_E)
+
+
+def _token_rounding_plan_ep(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, tile: int, mode: str,
+                            residual_E: Tensor | None, group: dist.ProcessGroup) -> RoundedPlan:
+    """Token rounding over an ep group's summed counts: each rank's full ranking, and the windows around
+    its f_e merged across the group (_keep_counts)."""
+    if mode == "nearest_score":
+        raise ValueError("routing.rounding_mode=nearest_score is not supported with parallel.ep > 1; "
+                         "use nearest, stochastic or balance")
     T, E = probs_TE.shape
     gate_TE = probs_TE.scatter(1, expert_idx_TK, gates_TK)  # TC: top-K gate, EC: P_te
     is_topk_TE = torch.zeros_like(probs_TE, dtype=torch.bool).scatter_(1, expert_idx_TK, True)
     counts_E = is_topk_TE.sum(0)
     with torch.no_grad():
         order_TE = rank_candidates(gate_TE.detach(), is_topk_TE, probs_TE.detach())
-        if group is None:
-            ranked_gates_TE = gate_TE.detach().gather(0, order_TE) if mode == "nearest_score" else None
-            rounded_E = round_counts(counts_E, tile, mode, T, ranked_gates_TE=ranked_gates_TE, residual_E=residual_E)
-            keep_E, topk_counts_E = rounded_E, counts_E
-        else:
-            if mode == "nearest_score":
-                raise ValueError("routing.rounding_mode=nearest_score is not supported with parallel.ep > 1; "
-                                 "use nearest, stochastic or balance")
-            ranks = dist.get_world_size(group)
-            summed = group_sum(torch.cat([counts_E, counts_E.new_tensor([T])]), group)
-            topk_counts_E = summed[:E]
-            assert summed[E] == T * ranks, "token rounding under EP numbers tokens rank-major: equal T per rank"
-            uniform_E = None
-            if mode == "stochastic":  # the same draw on every rank of the group
-                uniform_E = group_sum(torch.rand(E, device=probs_TE.device, dtype=torch.float64), group).frac()
-            rounded_E = round_counts(topk_counts_E, tile, mode, T * ranks, residual_E=residual_E, uniform_E=uniform_E)
-            key_TE = torch.where(is_topk_TE, gate_TE.detach(), probs_TE.detach() - 1)
-            keep_E = _keep_counts(order_TE, key_TE, probs_TE.detach(), counts_E, rounded_E, tile, group)
+        ranks = dist.get_world_size(group)
+        summed = group_sum(torch.cat([counts_E, counts_E.new_tensor([T])]), group)
+        topk_counts_E = summed[:E]
+        assert summed[E] == T * ranks, "token rounding under EP numbers tokens rank-major: equal T per rank"
+        uniform_E = None
+        if mode == "stochastic":  # the same draw on every rank of the group
+            uniform_E = group_sum(torch.rand(E, device=probs_TE.device, dtype=torch.float64), group).frac()
+        rounded_E = round_counts(topk_counts_E, tile, mode, T * ranks, residual_E=residual_E, uniform_E=uniform_E)
+        key_TE = torch.where(is_topk_TE, gate_TE.detach(), probs_TE.detach() - 1)
+        keep_E = _keep_counts(order_TE, key_TE, probs_TE.detach(), counts_E, rounded_E, tile, group)
     keep_TE = torch.arange(T, device=probs_TE.device)[:, None] < keep_E[None, :]
     rank_idx, expert_idx = keep_TE.nonzero(as_tuple=True)  # the one host sync: the kept row count
     token_idx = order_TE[rank_idx, expert_idx]
