@@ -19,6 +19,7 @@ import torch
 from bench.common import median_ms, result_path, write_json
 from sonic.models import flops_per_token
 from sonic.models.presets import load_preset
+from sonic.models.moe import MoE
 from sonic.models.transformer import Transformer
 
 
@@ -42,6 +43,8 @@ def main(argv=None):
     cfg = load_preset(args.model, num_layers=args.layers, moe={"kernel_backend": args.backend})
     model = Transformer(cfg).to(args.device)
     model.init_weights(seed=0)
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.resolve_backends(moe.w1_EFD.device)  # before the first compiled forward (cuda:0, as tensors say)
     if args.compile:
         for block in model.layers:
             block.compile()

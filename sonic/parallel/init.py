@@ -15,7 +15,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 from sonic.models import ModelConfig, Transformer
-from sonic.models.moe import MoE
 from sonic.parallel.config import ParallelConfig
 from sonic.parallel.distributed import DistInfo, all_reduce_
 from sonic.parallel.parallelize import parallelize
@@ -31,8 +30,6 @@ def build_model(cfg: ModelConfig, pcfg: ParallelConfig, info: DistInfo, seed: in
     model = parallelize(model, pcfg, info)
     model.to_empty(device=info.device)  # FSDP re-registers its (padded) shards here
     model.init_weights(seed)
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        moe.resolve_backends(info.device)  # before the first (compiled) forward
     return model
 
 

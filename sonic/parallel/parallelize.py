@@ -81,6 +81,8 @@ def compile_enabled(cfg: ParallelConfig, device: torch.device) -> bool:
 def parallelize(model: nn.Module, cfg: ParallelConfig, info: DistInfo) -> nn.Module:
     layers = model.layers
     compile_blocks = compile_enabled(cfg, info.device)
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.resolve_backends(info.device)  # now, not inside the first compiled forward
     for i, block in enumerate(layers):
         if compile_blocks:
             block.compile(backend=cfg.compile_backend)
