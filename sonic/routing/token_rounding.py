@@ -157,6 +157,9 @@ def _segment_sum(sorted_R: Tensor, start_E: Tensor, lo_E: Tensor, hi_E: Tensor) 
     return csum_R1.gather(0, start_E + hi_E) - csum_R1.gather(0, start_E + lo_E)
 
 
+# Eager under a compiled block: the plan's row count is data dependent (a host sync and a graph break in
+# any case), and inductor on torch 2.11 fails to generate the T x E cumsum of the tie-break (SplitScan).
+@torch.compiler.disable
 def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, tile: int, mode: str,
                         residual_E: Tensor | None = None, group: dist.ProcessGroup | None = None) -> RoundedPlan:
     """The rounded plan from the full softmax and the TC top-K picks with their gates; with an ep

@@ -60,3 +60,23 @@ def _step_compiled(fn, moe, x):
     out, routed = fn(x)
     (out.square().mean() + routed.loss).backward()
     return out.detach(), routed.counts_E, moe.router.weight_ED.grad.clone()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", [dict(), dict(method="token_rounding", tile_size=16)])
+def test_block_compiles_with_inductor_on_gpu(routing):
+    """The trainer's per-block compile (inductor) on the GPU: top-K in one graph, token rounding with its one
+    break at the data-dependent row count (inductor on torch 2.11 failed on its T x E cumsum)."""
+    torch._dynamo.reset()
+    eager = block(**routing).cuda()
+    compiled = block(**routing).cuda()
+    for moe in (eager, compiled):
+        moe.kernel_backend = "triton"
+        moe.resolve_backends(torch.device("cuda", torch.cuda.current_device()))
+    fn = torch.compile(compiled)
+    for i in range(3):
+        x = torch.randn(2, 256, D, generator=torch.Generator().manual_seed(i)).cuda()
+        want, got = step(eager, x), _step_compiled(fn, compiled, x)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+        assert torch.equal(got[1], want[1])
+    torch._dynamo.reset()
