@@ -1,10 +1,11 @@
 """sonic.models.loading: every accepted checkpoint form loads the same weights; bad paths are named."""
+import json
 import shutil
 
 import pytest
 import torch
 
-from sonic.models.loading import load_model, save_model_file
+from sonic.models.loading import file_entry, load_model, save_model_file
 from tests.eval.conftest import save_checkpoint, tiny_config, tiny_model
 
 
@@ -69,13 +70,21 @@ def test_missing_dcp_metadata_is_named_corrupt(step_dir):
 
 def test_missing_config_is_named(step_dir):
     (step_dir / "config.yaml").unlink()
-    with pytest.raises(ValueError, match=f"checkpoint {step_dir}: config.yaml is missing"):
+    with pytest.raises(ValueError, match=f"checkpoint {step_dir} is corrupt \\(config.yaml is missing"):
         load_model(step_dir)
+
+
+def rehash(step_dir, name):
+    """Record file `name`'s new size and SHA-256 in meta.json, as someone who edits a checkpoint would."""
+    meta = json.loads((step_dir / "meta.json").read_text())
+    meta["files"][name] = file_entry(step_dir / name)
+    (step_dir / "meta.json").write_text(json.dumps(meta))
 
 
 def test_config_that_does_not_match_the_weights_is_named(step_dir):
     text = (step_dir / "config.yaml").read_text()
     (step_dir / "config.yaml").write_text(text.replace("num_layers: 2", "num_layers: 3"))
+    rehash(step_dir, "config.yaml")
     with pytest.raises(ValueError, match=f"checkpoint {step_dir} is corrupt or does not match its config"):
         load_model(step_dir, kernel_backend="reference")
 
