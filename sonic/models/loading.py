@@ -257,7 +257,9 @@ def read_dcp(state: dict[str, Any], path: Path, **kwargs) -> None:
     """dcp.load(state) from checkpoint directory `path`, in place, running no code from its files."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafePlanner(), **kwargs)
+    reader = SafeReader(str(path))
+    reader.read_metadata()  # once here too: inside dcp.load, its UnpicklingError would become a message string
+    dcp.load(state, storage_reader=reader, planner=SafePlanner(), **kwargs)
 
 
 # --------------------------------------------------------------------------- helpers
