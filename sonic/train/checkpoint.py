@@ -364,8 +364,8 @@ class Checkpointer:
                 for name, saved in extra.get("buffers", {}).items():
                     buffers[name].copy_(saved)
         else:
-            warnings.warn(f"resuming a {meta['world_size']}-rank checkpoint on {_world()} ranks: model, optimizer "
-                          f"and schedule are restored; the data order and RNG restart from the seed")
+            warnings.warn(f"resuming a {meta['world_size']}-rank checkpoint on {_world()} ranks: model and optimizer "
+                          f"are restored; the data order and RNG restart from the seed")
             extra.pop("loader", None)
         extra["step"] = meta["step"]
         return extra

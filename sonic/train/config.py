@@ -144,6 +144,8 @@ def to_yaml(cfg: Config) -> str:
 
 # ------------------------------------------------------------------ config changes on resume
 RESUME_ONLY = ("train.resume",)  # how to start, not what to train: never a change
+# other fields a checkpoint cannot follow, and why (model fields: see check_resume_config)
+FIXED = {"optim.decay_norms_and_embeddings": "it regroups the parameters of the optimizer's saved state"}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -176,6 +178,11 @@ def check_resume_config(saved_yaml: str, cfg: Config, checkpoint: Path) -> dict[
     now = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     old, new = _flat(saved), _flat(now)
     changes = {k: (old[k], new[k]) for k in new if k in old and old[k] != new[k] and k not in RESUME_ONLY}
+    fixed = [k for k in changes if k in FIXED]
+    if fixed:
+        raise ValueError(f"cannot resume {checkpoint} with " + "; ".join(
+            f"{k}: checkpoint {changes[k][0]!r}, now {changes[k][1]!r} ({FIXED[k]})" for k in fixed)
+            + ". Resume with the checkpoint's value (its config.yaml), or start a new run")
     model_changes = {k.removeprefix("model."): v for k, v in changes.items() if k.startswith("model.")}
     if model_changes:
         try:

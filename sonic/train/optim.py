@@ -52,10 +52,15 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
             continue
         is_vector_or_embedding = p.dim() < 2 or "embed_tokens" in name or name.endswith(("b1_EF", "b2_ED"))
         (no_decay if is_vector_or_embedding and not cfg.decay_norms_and_embeddings else decay).append(p)
-    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[cfg.implementation]
-    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay}], lr=cfg.lr, **impl)
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay}], lr=cfg.lr,
+                                  **_IMPLEMENTATION_FLAGS[cfg.implementation])
     apply_config(optimizer, cfg)
     return optimizer
+
+
+# torch.optim.AdamW's flags for each optim.implementation (None: torch's default, False here)
+_IMPLEMENTATION_FLAGS = {"fused": {"fused": True, "foreach": None}, "foreach": {"foreach": True, "fused": None},
+                         "for_loop": {"foreach": False, "fused": None}}
 
 
 def apply_config(optimizer: torch.optim.AdamW, cfg: OptimConfig) -> None:
@@ -64,7 +69,8 @@ def apply_config(optimizer: torch.optim.AdamW, cfg: OptimConfig) -> None:
     optim.* on resume is meant to apply (the LR is set every step, see `set_lr`)."""
     decay, no_decay = optimizer.param_groups
     for group, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0)):
-        group.update(weight_decay=weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        group.update(weight_decay=weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                     **_IMPLEMENTATION_FLAGS[cfg.implementation])
 
 
 def set_lr(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int, total_steps: int) -> float:

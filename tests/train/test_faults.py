@@ -24,19 +24,23 @@ def run(tmp_path, *overrides):
     return train(compose_config(*TINY, f"train.run_dir={tmp_path}", *overrides))
 
 
-@pytest.fixture
-def nan_at_step_3(monkeypatch):
-    """The trainer's third call of clip_grad_norm (step 3) first sets one gradient element to NaN."""
+def nan_gradients_at(monkeypatch, *steps: int) -> None:
+    """The trainer's calls of clip_grad_norm at `steps` (1-based) first set one gradient element to NaN."""
     real, calls = trainer.clip_grad_norm, []
 
     def clip(params, *args, **kwargs):
         params = list(params)
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) in steps:
             params[0].grad.view(-1)[0] = float("nan")
         return real(params, *args, **kwargs)
 
     monkeypatch.setattr(trainer, "clip_grad_norm", clip)
+
+
+@pytest.fixture
+def nan_at_step_3(monkeypatch):
+    nan_gradients_at(monkeypatch, 3)
 
 
 def load(path):
@@ -117,21 +121,8 @@ def test_no_checkpoint_of_a_diverged_run_has_a_non_finite_loss(tmp_path, healthy
     assert losses and max(losses) > healthy_steps and all(math.isfinite(v) for v in losses.values()), losses
 
 
-@pytest.fixture
-def nan_at_steps_4_and_5(monkeypatch):
-    real, calls = trainer.clip_grad_norm, []
-
-    def clip(params, *args, **kwargs):
-        params = list(params)
-        calls.append(1)
-        if len(calls) in (4, 5):
-            params[0].grad.view(-1)[0] = float("nan")
-        return real(params, *args, **kwargs)
-
-    monkeypatch.setattr(trainer, "clip_grad_norm", clip)
-
-
-def test_retention_keeps_the_newest_checkpoint_from_before_a_run_of_skips(tmp_path, nan_at_steps_4_and_5):
+def test_retention_keeps_the_newest_checkpoint_from_before_a_run_of_skips(tmp_path, monkeypatch):
+    nan_gradients_at(monkeypatch, 4, 5)
     history = run(tmp_path, "train.steps=8", "train.save_every=1", "train.keep_last=1")
     assert [h["skipped_steps"] for h in history] == [0, 0, 0, 1, 2, 2, 2, 2]
     assert steps_of(tmp_path) == [3, 8]  # step 3: the last one before steps 4-5 were skipped
@@ -156,6 +147,9 @@ def test_a_resume_that_changes_the_model_shape_is_a_clear_error(tmp_path, caplog
     with pytest.raises(ValueError, match=r"\(model.dim: checkpoint 128, now 64; model.moe.num_experts: "
                                          r"checkpoint 8, now 4\)"):
         run(tmp_path, "train.steps=3", "model.moe.num_experts=4", "model.dim=64", "model.moe.routing.aux_loss_coef=0.1")
+    with pytest.raises(ValueError, match=r"optim.decay_norms_and_embeddings: checkpoint False, now True \(it "
+                                         r"regroups"):
+        run(tmp_path, "train.steps=3", "optim.decay_norms_and_embeddings=true")
     history = run(tmp_path, "train.steps=3", "model.rope_theta=500000.0", "model.moe.routing.aux_loss_coef=0.1")
     assert [h["step"] for h in history] == [3]
     warnings = [r.getMessage() for r in caplog.records if "config change" in r.getMessage()]
