@@ -1,7 +1,6 @@
 """The run configuration: one dataclass per component, composed by Hydra from configs/."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ from sonic.train.guard import NONFINITE_POLICIES
 from sonic.train.loggers import WandbConfig
 from sonic.train.optim import OptimConfig
 
-log = logging.getLogger("sonic")
 PRECISIONS = ("auto", "bf16", "fp32")
 
 

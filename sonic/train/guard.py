@@ -3,8 +3,9 @@
 A step is bad when its loss or its global gradient norm is not finite, or when its update could
 explode the weights: AdamW moves each weight by about lr per step whatever the gradient (at most
 ~1.2 lr with the default betas), so an update can reach lr·√n for n weights, and a step where
-that exceeds train.max_update_ratio × the weight norm ‖w‖ is skipped before it is applied (the
-issue's optim.lr=1e6 run: its first update multiplied every weight ~10^6-fold, then went NaN).
+that exceeds train.max_update_ratio × the weight norm ‖w‖ is skipped before it is applied
+(optim.lr=1e6 blows the weights up by orders of magnitude in one step whose loss and gradient are
+finite, and only later steps go NaN).
 Everything is tested on the device, from values that are the same on every rank (the norms are
 all-reduced), so all ranks decide alike:
 
@@ -133,6 +134,10 @@ class NonFiniteGuard:
                 f"{self.max_consecutive}): the run is diverging. Nothing was saved after the skips began. "
                 f"{self.recovery()}; or raise train.max_consecutive_skips")
         return skipped
+
+    def weight_rms(self) -> float:
+        """The root mean square of the weights (a host sync)."""
+        return (global_norm(self.params) / self.sqrt_n).item()
 
     @property
     def in_streak(self) -> bool:

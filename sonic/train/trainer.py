@@ -28,7 +28,7 @@ from sonic.train.config import Config, check_resume_config, to_yaml
 from sonic.train.guard import NonFiniteGuard
 from sonic.train.loggers import MetricLogger
 from sonic.train.metrics import expert_load, peak_flops, speed_metrics
-from sonic.train.optim import apply_config, build_optimizer, clip_grad_norm, global_norm, set_lr
+from sonic.train.optim import apply_config, build_optimizer, clip_grad_norm, set_lr
 
 log = logging.getLogger("sonic")
 
@@ -145,14 +145,12 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
     init_memory = memory_after_init(model, info)  # logged with the first step
     counts = param_counts(cfg.model)
     optimizer = build_optimizer(model, cfg.optim)
-    weight_rms = [0.0]  # of the weights the run starts from (set below): what suggested_lr scales with
-
     def recovery() -> str:
         newest = complete_checkpoints(ckpt.root)
         where = (f"train.resume=auto resumes from {newest[-1]}, the newest checkpoint" if newest else
                  "no checkpoint was written, so it starts from step 0")
         return (f"To recover, run the same command again with a lower LR, e.g. optim.lr="
-                f"{suggested_lr(cfg.optim.lr, weight_rms[0]):.0e} ({where}; the LR comes from the config at every "
+                f"{suggested_lr(cfg.optim.lr, start_rms):.0e} ({where}; the LR comes from the config at every "
                 f"step, also on a resume), or raise optim.warmup_steps, or check the data")
 
     guard = NonFiniteGuard(optimizer, t.nonfinite, t.max_consecutive_skips, device, t.max_update_ratio,
@@ -172,8 +170,7 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
             guard.load_state_dict(extra["guard"])
         step = extra["step"]
         log.info("resumed from %s at step %d (train.resume=none starts afresh)", resume_from, step)
-    params = [p for p in model.parameters() if p.requires_grad]
-    weight_rms[0] = (global_norm(params) / math.sqrt(sum(p.numel() for p in params))).item()
+    start_rms = guard.weight_rms()  # of the weights this run starts from: what recovery()'s LR scales with
 
     def save(step: int, batch) -> bool:
         """Write a checkpoint of the weights after `step` if they are good; returns whether it did.

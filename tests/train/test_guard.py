@@ -94,12 +94,13 @@ def test_fused_skip_reads_nothing_back_from_the_device(monkeypatch):
 def test_fused_guard_does_not_synchronize_on_cuda():
     model = tiny().cuda()
     optimizer = build_optimizer(model, OptimConfig(implementation="fused"))
-    guard = NonFiniteGuard(optimizer, "skip", 3, torch.device("cuda"))
+    guard = NonFiniteGuard(optimizer, "skip", 3, torch.device("cuda"), max_update_ratio=1.0)
     norm = backward(model, seed=2, poison=True)
+    loss = torch.tensor(2.0, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        guard.step(norm, step=1)
+        guard.step(norm, step=1, loss=loss)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert guard.check() == 1
