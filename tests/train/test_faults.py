@@ -89,21 +89,28 @@ def steps_of(run_dir) -> list[int]:
     return [int(p.name[5:]) for p in complete_checkpoints(run_dir / "checkpoints")]
 
 
-def test_a_diverged_run_names_a_recovery_that_works(tmp_path):
+@pytest.mark.parametrize("healthy_steps", [0, 4])
+def test_a_diverged_run_names_a_recovery_that_works(tmp_path, healthy_steps, caplog):
     """The issue: optim.lr=1e6 with train.save_every=5 left checkpoints whose loss is NaN, and the
     fix its error suggested (a lower optim.lr on resume) was ignored. Now the update-size check
     skips every step (none is applied), nothing is saved while steps are skipped, and the error
-    names an LR that trains."""
-    common = ["train.steps=12", "train.save_every=5", "train.keep_last=2"]
-    with pytest.raises(FloatingPointError, match=r"10 consecutive steps up to step 10 .* To recover, run the same "
-                                                 r"command again with a lower LR, e.g. optim.lr=\S+ ") as info:
+    names the newest checkpoint and an LR; running the same command with that LR trains on from
+    that checkpoint (or from step 0 when there is none)."""
+    common = ["train.steps=14", "train.save_every=5", "train.keep_last=2"]
+    if healthy_steps:
+        run(tmp_path, *common, f"train.steps={healthy_steps}")
+    newest = rf"resumes from \S+step_{healthy_steps:08d}, the newest" if healthy_steps else "starts from step 0"
+    with pytest.raises(FloatingPointError, match=rf"10 consecutive steps up to step {healthy_steps + 10} .* To "
+                                                 rf"recover, run the same command again with a lower LR, e.g. "
+                                                 rf"optim.lr=\S+ \(.*{newest}") as info:
         run(tmp_path, *common, "optim.lr=1e6")
+    assert steps_of(tmp_path) == ([healthy_steps] if healthy_steps else [])
     assert all(math.isfinite(checkpoint_loss(p)) for p in complete_checkpoints(tmp_path / "checkpoints"))
     lr = re.search(r"optim.lr=(\S+) ", str(info.value)).group(1)
     recovered = run(tmp_path, *common, f"optim.lr={lr}")
-    assert [h["step"] for h in recovered] == list(range(1, 13))  # nothing was saved: from step 0
-    assert recovered[-1]["skipped_steps"] == 0 and recovered[-1]["loss"] < recovered[0]["loss"] - 0.5
-    assert steps_of(tmp_path) == [10, 12] and math.isfinite(checkpoint_loss(tmp_path / "checkpoints" / "step_00000012"))
+    assert [h["step"] for h in recovered] == list(range(healthy_steps + 1, 15))
+    assert recovered[-1]["skipped_steps"] == 0 and recovered[-1]["loss"] < recovered[0]["loss"] - 0.3
+    assert math.isfinite(checkpoint_loss(tmp_path / "checkpoints" / "step_00000014"))
 
 
 @pytest.mark.parametrize("healthy_steps", [0, 4])
