@@ -207,8 +207,8 @@ def plain(obj: Any, where: str = "state") -> Any:
         return torch.from_numpy(obj.copy())
     if isinstance(obj, dict):
         return {plain(k, where): plain(v, f"{where}[{k!r}]") for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(plain(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    if isinstance(obj, (list, tuple)):  # a namedtuple becomes a tuple
+        return (list if isinstance(obj, list) else tuple)(plain(v, f"{where}[{i}]") for i, v in enumerate(obj))
     raise TypeError(f"{where} is a {type(obj).__name__}: a checkpoint holds only tensors and plain values")
 
 
