@@ -86,6 +86,20 @@ def markdown(results: dict[str, Any]) -> str:
     return table
 
 
+def output_dir(checkpoint: str, chosen: str | None) -> Path:
+    """Where `python -m eval` writes its results: `chosen` (output_dir), else <checkpoint>/eval (a file:
+    <file>.eval). A ValueError if it cannot be written, raised before any evaluation runs."""
+    from sonic.train.checkpoint import unwritable
+
+    source = Path(checkpoint)
+    out = Path(chosen) if chosen else source / "eval" if source.is_dir() else source.with_name(source.name + ".eval")
+    problem = unwritable(out)
+    if problem:
+        raise ValueError(f"output_dir={str(out)!r} cannot be written ({problem}); set output_dir to a writable "
+                         f"directory (the default is <checkpoint>/eval), e.g. output_dir=eval_results")
+    return out
+
+
 def write_results(results: dict[str, Any], out_dir: Path, meta: dict[str, Any]) -> tuple[Path, Path]:
     """results.json (lm-eval's results + our run metadata) and results.md in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)

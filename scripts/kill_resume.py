@@ -136,6 +136,13 @@ def metrics(run_dir: Path) -> dict[int, dict]:
     return out
 
 
+def logged_twice(run_dir: Path) -> list[int]:
+    """Steps with more than one row in metrics.jsonl (a resume drops the rows past its step first)."""
+    path = run_dir / "metrics.jsonl"
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+    return sorted({s for s in steps if steps.count(s) > 1})
+
+
 def run_job(args: argparse.Namespace, run_dir: Path, interrupt: str | None = None) -> dict:
     """One torchrun job: to the end (interrupt=None), or interrupted by 'sigkill' / 'sigusr1'."""
     log = run_dir / "stdout.log"
@@ -241,7 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
         checks = {"ran": "error" not in run and "error" not in last,
                   "reference exited 0": ran["reference"].get("returncode") == 0,
                   "finished with exit code 0": last.get("returncode") == 0,
-                  "curve matches the reference": worst <= args.tolerance}
+                  "curve matches the reference": worst <= args.tolerance,
+                  "metrics.jsonl holds each step once": not logged_twice(dirs[name])}
         if name == "sigkill":
             checks["resumed from the newest checkpoint"] = bool(at_kill) and s["resumed_from"] == int(at_kill[-1][5:])
         if name == "sigusr1":

@@ -73,3 +73,24 @@ def run_in_triton_interpreter(call: str, marker: str, timeout_s: float = 600) ->
     proc = subprocess.run([sys.executable, "-c", call], cwd=root, env=env, capture_output=True, text=True,
                           timeout=timeout_s)
     assert proc.returncode == 0 and marker in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def checkout_files(root: Path = CONFIGS.parent) -> dict[str, tuple[int, int]]:
+    """Every file and directory of the checkout, tracked, untracked or ignored, with its size and
+    mtime: two snapshots differ if anything was created, changed or deleted in between. Left out:
+    .git, Python's __pycache__, pytest's cache and virtual environments (a directory with pyvenv.cfg)."""
+    import os
+
+    files = {}
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in (".git", "__pycache__", ".pytest_cache")
+                   and not os.path.isfile(os.path.join(folder, d, "pyvenv.cfg"))]
+        for name in dirs + names:
+            path = os.path.join(folder, name)
+            stat = os.lstat(path)
+            files[os.path.relpath(path, root)] = (stat.st_size if name in names else 0, stat.st_mtime_ns)
+    return files
+
+
+def changed_files(before: dict, after: dict) -> list[str]:
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))

@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 DOCS = REPO / "docs" / "repro"
+RUNS = REPO / "runs"  # default --runs-dir: where scripts that train put their run directories
 
 
 def rel(path: Path | str) -> str:

@@ -33,7 +33,7 @@ import subprocess
 from pathlib import Path
 
 from scripts.repro import paper
-from scripts.repro.common import (DOCS, REPO, RESULTS, fmt, load_json, md_table, newest, pyplot, python,
+from scripts.repro.common import (DOCS, REPO, RESULTS, RUNS, fmt, load_json, md_table, newest, pyplot, python,
                                   read_jsonl, rel, run, save_figure, write_text)
 
 PAPER_LAYERS = 40  # configs/model/sonic_7b.yaml, the lm-engine recipe PAPER.md points to
@@ -134,7 +134,7 @@ TRAIN_ARGS = ["experiment=sonic_7b", f"train.seq_len={SEQ_LEN}", "train.micro_ba
 
 def run_training(layers: list[int], backends: list[str], steps: int, grouped_mm_steps: int, nproc: int, skip: int,
                  data: str, commit: str, timeout: float | None, variants: dict[str, list[str]],
-                 variant_steps: int) -> Path:
+                 variant_steps: int, runs_dir: Path = RUNS) -> Path:
     """Train each (layers, backend) with the real trainer on this machine's GPUs; one result JSON for all.
 
     grouped_mm (our torch._grouped_mm expert backend) runs `grouped_mm_steps` steps: it holds ~10x the
@@ -149,7 +149,7 @@ def run_training(layers: list[int], backends: list[str], steps: int, grouped_mm_
     jobs = [(backend, "", []) for backend in backends] + [(backends[0], name, o) for name, o in variants.items()]
     for n_layers in layers:
         for backend, variant, overrides in jobs:
-            run_dir = REPO / "runs" / "e2e" / f"{backend}{'_' + variant if variant else ''}_{n_layers}L"
+            run_dir = runs_dir / "e2e" / f"{backend}{'_' + variant if variant else ''}_{n_layers}L"
             shutil.rmtree(run_dir, ignore_errors=True)
             n_steps = variant_steps if variant else grouped_mm_steps if backend == "grouped_mm" else steps
             args = [*TRAIN_ARGS, f"data={data}", f"model.num_layers={n_layers}", f"model.moe.kernel_backend={backend}",
@@ -365,6 +365,7 @@ def main(argv=None):
     ap.add_argument("--layers", default=str(PAPER_LAYERS), help="--metrics: model.num_layers; --run: comma list")
     ap.add_argument("--skip-steps", type=int, default=20, help="warm-up (compile) steps left out of the means")
     ap.add_argument("--out-dir", default=str(DOCS))
+    ap.add_argument("--runs-dir", default=str(RUNS), help="--run: the run directories go to <runs-dir>/e2e/")
     args = ap.parse_args(argv)
     layers = [int(v) for v in args.layers.split(",")]
     committed = [newest(p) for p in ("*-fsdp.json", "*-e2e.json") if sorted(RESULTS.glob(p))]
@@ -375,7 +376,7 @@ def main(argv=None):
         nproc = args.nproc or torch.cuda.device_count()
         fresh = run_training(layers, args.backends.split(","), args.steps, args.grouped_mm_steps, nproc, args.skip_steps,
                              args.data, args.commit or git_commit(), args.run_timeout,
-                             dict(parse_variant(v) for v in args.variant), args.variant_steps)
+                             dict(parse_variant(v) for v in args.variant), args.variant_steps, Path(args.runs_dir))
         jsons = [p for p in committed if p != fresh] + [fresh]
     elif args.json is not None:
         jsons = [Path(p) for p in args.json]

@@ -21,7 +21,8 @@ floor that the arms' differences are judged against (differences are paired by s
 Reduced GPU run (configs/experiment/repro_tr_0p5b_reduced.yaml: the 0.5B 8/64 model at the paper's
 per-GPU batch, ~20M tokens of byte-level Python source instead of 20B of FineWeb-Edu, since the
 GPU machines are offline): builds the corpus from this interpreter's sources, trains the three
-arms one after another, keeps their metrics under docs/repro/tr_reduced/, and renders.
+arms one after another (run directories under --runs-dir, default runs/; each arm's is deleted
+first), keeps their metrics under docs/repro/tr_reduced/ (--out-dir), and renders.
   python -m scripts.repro.tr_quality --reduced [--seeds 0,1] [--arm-timeout 180] [-- train.steps=500]
   python -m scripts.repro.tr_quality --reduced --collect-only
 """
@@ -36,7 +37,7 @@ import sys
 from pathlib import Path
 
 from scripts.repro import paper
-from scripts.repro.common import DOCS, REPO, md_table, pyplot, python, read_jsonl, rel, run, save_figure, write_text
+from scripts.repro.common import DOCS, RUNS, md_table, pyplot, python, read_jsonl, rel, run, save_figure, write_text
 from sonic.data.local_text import build_code_corpus  # the reduced run's corpus (shared with data=local_bpe)
 
 ARMS = {  # arm: (label, paper's column in TABLE_3A, train.py overrides)
@@ -45,7 +46,7 @@ ARMS = {  # arm: (label, paper's column in TABLE_3A, train.py overrides)
     "drop": ("token drop (TR down)", "drop", ["routing=token_rounding", "model.moe.routing.rounding_mode=down"]),
 }
 REDUCED = "repro_tr_0p5b_reduced"
-REDUCED_DIR = REPO / "runs" / "tr_0p5b_reduced"
+REDUCED_RUNS = "tr_0p5b_reduced"  # under --runs-dir: the reduced run's corpus and arm run directories
 FULL_DIRS = {"topk": "runs/tr_0p5b_topk_nearest", "nr_f": "runs/tr_0p5b_token_rounding_nearest",
              "drop": "runs/tr_0p5b_token_rounding_down"}
 
@@ -199,12 +200,12 @@ def plot(summaries: dict[str, list[dict]], path: Path, title: str) -> None:
     save_figure(fig, path)
 
 
-def run_proxy(seeds: list[int], steps: int | None, extra: list[str]) -> dict[tuple[str, int], Path]:
-    """Train the three proxy arms for every seed, one after another, each from scratch."""
+def run_proxy(seeds: list[int], steps: int | None, extra: list[str], runs_dir: Path) -> dict[tuple[str, int], Path]:
+    """Train the three proxy arms for every seed, one after another, each from scratch, in runs_dir."""
     dirs = {}
     for seed in seeds:
         for arm, (_, _, overrides) in ARMS.items():
-            run_dir = REPO / "runs" / f"repro_tr_proxy_{arm}_s{seed}"
+            run_dir = runs_dir / f"repro_tr_proxy_{arm}_s{seed}"
             if run_dir.exists():
                 shutil.rmtree(run_dir)  # metrics.jsonl appends: a fresh run needs a fresh directory
             cmd = [python(), "train.py", "experiment=repro_tr_proxy", *overrides, f"train.seed={seed}",
@@ -217,19 +218,21 @@ def run_proxy(seeds: list[int], steps: int | None, extra: list[str]) -> dict[tup
     return dirs
 
 
-def run_reduced(seed: int, corpus_mb: int, arm_timeout: float | None, extra: list[str]) -> tuple[dict[str, Path], dict]:
-    """The three arms of the reduced run for one seed, one after another on this GPU; an arm past
-    arm_timeout is killed and keeps the evaluations it logged (its curve is compared up to there)."""
+def run_reduced(seed: int, corpus_mb: int, arm_timeout: float | None, extra: list[str],
+                runs_dir: Path) -> tuple[dict[str, Path], dict]:
+    """The three arms of the reduced run for one seed, one after another on this GPU, in
+    runs_dir/tr_0p5b_reduced; an arm past arm_timeout is killed and keeps the evaluations it logged
+    (its curve is compared up to there)."""
     import torch  # noqa: PLC0415 - the device name for the report
 
-    corpus = REDUCED_DIR / "corpus.jsonl"
+    corpus = runs_dir / REDUCED_RUNS / "corpus.jsonl"
     info = {"date": datetime.date.today().isoformat(), "seed": seed,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
             "corpus": build_code_corpus(corpus, corpus_mb << 20), "commands": {}, "completed": {}}
     print(f"corpus {rel(corpus)}: {info['corpus']}", flush=True)
     dirs = {}
     for arm, (_, _, overrides) in ARMS.items():
-        dirs[arm] = run_dir = REDUCED_DIR / f"{arm}_s{seed}"
+        dirs[arm] = run_dir = runs_dir / REDUCED_RUNS / f"{arm}_s{seed}"
         if run_dir.exists():
             shutil.rmtree(run_dir)
         cmd = [python(), "train.py", f"experiment={REDUCED}", *overrides, f"train.seed={seed}",
@@ -291,6 +294,8 @@ def main(argv=None):
     ap.add_argument("--runs", nargs=3, metavar=("TOPK", "NR_F", "DROP"), default=None,
                     help="run directories (or metrics.jsonl files) of the three arms")
     ap.add_argument("--out-dir", default=str(DOCS))
+    ap.add_argument("--runs-dir", default=str(RUNS), help="--proxy/--reduced: where the arms' run directories go "
+                                                          "(deleted first: each arm starts afresh)")
     ap.add_argument("extra", nargs="*", help="after --: further train.py overrides for the proxy or reduced runs")
     args = ap.parse_args(argv)
     out_dir = Path(args.out_dir)
@@ -301,7 +306,7 @@ def main(argv=None):
         kept = out_dir / "tr_proxy"
         if not args.collect_only:
             seeds = [int(v) for v in args.seeds.split(",")]
-            dirs = run_proxy(seeds, args.steps, args.extra)
+            dirs = run_proxy(seeds, args.steps, args.extra, Path(args.runs_dir))
             if kept.exists():
                 shutil.rmtree(kept)  # the kept metrics are exactly this invocation's runs
             kept.mkdir(parents=True)
@@ -335,7 +340,7 @@ def main(argv=None):
         if not args.collect_only:
             kept.mkdir(parents=True, exist_ok=True)  # other seeds' kept runs stay
             for seed in (int(v) for v in args.seeds.split(",")):
-                dirs, info = run_reduced(seed, args.corpus_mb, args.arm_timeout, args.extra)
+                dirs, info = run_reduced(seed, args.corpus_mb, args.arm_timeout, args.extra, Path(args.runs_dir))
                 for arm, run_dir in dirs.items():
                     if (run_dir / "metrics.jsonl").exists():
                         shutil.copy(run_dir / "metrics.jsonl", kept / f"{arm}.s{seed}.metrics.jsonl")

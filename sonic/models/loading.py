@@ -5,20 +5,31 @@ Accepted paths, so eval and export take the same argument:
   a run directory or a checkpoints directory: its newest complete checkpoint
   a single file model.safetensors / model.pt written by `save_model_file`
   a Hugging Face OLMoE / Qwen3-MoE directory (config.json + safetensors), converted by sonic.models.hf
-The checkpoint layout is defined here (models stays below train, which writes it).
+The checkpoint layout is defined here (models stays below train, which writes it), and so is how
+it is read safely: every file is checked against meta.json's SHA-256 before anything is loaded,
+and loading runs no code from the files (see `read_dcp`; .pt files load with weights_only=True).
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
+import hashlib
+import io
 import json
+import pickle
 import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from omegaconf import OmegaConf
 from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from sonic.models.config import ModelConfig
 from sonic.models.transformer import Transformer
@@ -26,6 +37,7 @@ from sonic.models.transformer import Transformer
 STEP_DIR = re.compile(r"^step_(\d{8})$")  # the checkpoint layout, shared with sonic/train/checkpoint.py
 _CONFIG_KEY = "sonic_config"  # safetensors metadata / .pt key holding the config YAML
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_CHUNK = 8 << 20  # bytes read at a time while hashing
 
 
 @dataclass
@@ -48,6 +60,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
     resolved = resolve_checkpoint(path)
+    if (resolved / "meta.json").is_file():  # a DCP checkpoint: check every file before reading any
+        problems = checkpoint_problems(resolved)
+        if problems:
+            raise ValueError(f"checkpoint {resolved} is corrupt ({'; '.join(problems)}); point at another checkpoint")
+        if problems is None:
+            warnings.warn(f"checkpoint {resolved} lists no checksums (written by an older Sonic): not verified")
     try:
         if resolved.is_file():
             cfg, tokenizer, state, step = *_read_file(resolved), None
@@ -72,6 +90,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         else:
             _load_state(model, state)
     except (Exception, _CheckpointException) as err:  # noqa: BLE001 - DCP's exception is a BaseException
+        unsafe = find_cause(err, pickle.UnpicklingError)
+        if unsafe is not None:
+            raise ValueError(f"checkpoint {resolved} {UNTRUSTED} ({str(unsafe).splitlines()[0]})") from err
         raise ValueError(f"checkpoint {resolved} is corrupt or does not match its config ({err}); "
                          f"point at another checkpoint") from err
     return LoadedModel(model.eval(), cfg, tokenizer, resolved, step)
@@ -110,6 +131,135 @@ def save_model_file(path: str | Path, model: Transformer, tokenizer: str | None 
     else:
         torch.save({"model": state, _CONFIG_KEY: config_yaml}, path)
     return path
+
+
+# --------------------------------------------------------------------------- integrity
+
+
+def sha256(path: Path) -> str:
+    """SHA-256 of a file, streamed. Why SHA-256 rather than a CRC: OpenSSL's SHA-256 uses the
+    CPU's SHA extensions and here hashes ~0.7 GB/s, faster than zlib.crc32 (~0.3 GB/s), releases
+    the GIL, catches any truncation or flipped bit, and `sha256sum` checks a file by hand."""
+    digest = hashlib.sha256()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """What meta.json records of a file: its size and SHA-256."""
+    return {"bytes": path.stat().st_size, "sha256": sha256(path)}
+
+
+def _file_problem(path: Path, expected: dict[str, Any]) -> str | None:
+    try:
+        if not path.is_file():
+            return f"{path.name} is missing"
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            return f"{path.name} has {size} bytes, meta.json says {expected['bytes']} (truncated or partial)"
+        if sha256(path) != expected["sha256"]:
+            return f"{path.name} does not match its SHA-256 in meta.json"
+    except (OSError, KeyError, TypeError) as err:  # an unreadable file, a malformed entry
+        return f"{path.name} cannot be checked ({type(err).__name__}: {err})"
+    return None
+
+
+def checkpoint_problems(path: Path, select: Callable[[str], bool] = lambda name: True) -> list[str] | None:
+    """What is wrong with the files of checkpoint directory `path` that `select` picks, checked
+    against meta.json ([]: intact); None for a checkpoint written before meta.json listed checksums."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        files = meta.get("files", {})
+        if not isinstance(meta.get("step"), int) or not isinstance(files, dict):
+            raise ValueError("no step number or file list")
+    except (OSError, ValueError, AttributeError) as err:  # AttributeError: JSON that is not an object
+        return [f"meta.json is unreadable ({type(err).__name__}: {err})"]
+    if "files" not in meta:
+        return None
+    return [problem for name in sorted(files) if select(name)
+            if (problem := _file_problem(path / name, files[name])) is not None]
+
+
+# DCP's .metadata is a pickle, and DCP loads its non-tensor items (the optimizer's hyperparameters)
+# with torch.load(weights_only=False): as DCP reads them, a planted file runs code. Sonic reads both
+# without running any: .metadata through an unpickler that builds DCP's metadata dataclasses and
+# nothing else, the byte items with weights_only=True. (Tensors DCP already loads weights_only.)
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+_PATHS = {(module, name) for module in ("pathlib", "pathlib._local")
+          for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS or (module, name) in _PATHS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module in _METADATA_MODULES:  # imports nothing else
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+class SafeReader(FileSystemReader):
+    """FileSystemReader whose read_metadata unpickles DCP's metadata classes only."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        with open(Path(self.path) / name, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{name} holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that loads non-tensor items only if they are tensors and plain values."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=True)  # raises on anything else, before DCP's own torch.load
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+UNTRUSTED = ("holds more than tensors and plain values, so it was not loaded: loading it could run code. Load "
+             "checkpoints only from places you trust")
+
+
+def find_cause(err: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The `kind` exception behind `err`, looking through causes, contexts and DCP's
+    CheckpointException (its `failures`: rank -> error or (error, traceback))."""
+    todo, seen = [err], set()
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, kind):
+            return e
+        for f in (getattr(e, "failures", None) or {}).values():
+            todo.append(f[0] if isinstance(f, tuple) else f)
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return None
+
+
+def read_dcp(state: dict[str, Any], path: Path, **kwargs) -> None:
+    """dcp.load(state) from checkpoint directory `path`, in place, running no code from its files."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = SafeReader(str(path))
+    reader.read_metadata()  # once here too: inside dcp.load, its UnpicklingError would become a message string
+    dcp.load(state, storage_reader=reader, planner=SafePlanner(), **kwargs)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -185,9 +335,8 @@ def _load_state(model: Transformer, state: dict[str, Tensor]) -> None:
 def _load_dcp(path: Path, model: Transformer) -> None:
     """Read only the model entries of a DCP checkpoint (no process group needed), in place."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = SafeReader(str(path)).read_metadata()
     saved = {k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model.")}
     state = model.state_dict()
     missing = sorted(set(state) - saved)
@@ -195,4 +344,4 @@ def _load_dcp(path: Path, model: Transformer) -> None:
         raise ValueError(f"missing weights {missing[:5]}")
     with warnings.catch_warnings():  # single-process loading is the intent here, not an accident
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        read_dcp({"model": state}, path, no_dist=not dist.is_initialized())

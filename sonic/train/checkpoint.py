@@ -2,18 +2,24 @@
 
 Layout of one checkpoint, <dir>/step_00000100/:
   .metadata, *.distcp   model + optimizer (torch.distributed.checkpoint: any world size)
-  extra_rank<r>.pt      scheduler, data-loader position, RNG states and model buffers of rank r
+  extra_rank<r>.pt      data-loader position, RNG states, skip counts and model buffers of rank r,
+                        as tensors and plain values only
   config.yaml           the resolved run config (eval and HF export read it)
   meta.json             written last; its presence marks the checkpoint complete. It holds the
                         step, the world size and the size and SHA-256 of every other file
 Everything is written into step_XXXXXXXX.tmp and renamed once complete, so a crash
 mid-save never leaves a directory that `resume: auto` would pick. A save that fails on any rank
 (e.g. a full disk) fails on every rank, removes its .tmp directory and leaves older checkpoints
-intact. Non-finite weights are never saved.
+intact. Non-finite weights are never saved (the trainer also checks their loss first, see
+trainer.py), and retention keeps the checkpoint the trainer names (the newest before a run of
+skipped steps).
 
 Before a resume the files are checked against meta.json (collectively: every rank hashes a
 share and all see every result). `resume: auto` sets a corrupt or partial checkpoint aside as
 step_XXXXXXXX.corrupt and takes the next older one; an explicit path stops with a ValueError.
+Loading runs no code from the files: extra_rank<r>.pt loads with weights_only=True, and DCP's
+.metadata (a pickle) and its non-tensor items through sonic.models.loading.read_dcp. meta.json
+guards against corruption, not against someone who rewrites it: load checkpoints from trusted places.
 
 Buffers (e.g. the router's balance residual) may differ between ranks, while DCP keeps one
 copy of an unsharded tensor; each rank therefore also keeps its own in extra_rank<r>.pt and
@@ -22,10 +28,10 @@ gets it back on a resume at the same world size (another world size takes DCP's 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -41,10 +47,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from sonic import compat
-from sonic.models.loading import complete_checkpoints
+from sonic.models.loading import (UNTRUSTED, checkpoint_problems, complete_checkpoints, file_entry, find_cause,
+                                  read_dcp)
 
 log = logging.getLogger("sonic")
-_CHUNK = 8 << 20  # bytes read at a time while hashing
 # which rank wrote a file: DCP names its files __<rank>_<n>.distcp; ours are extra_rank<r>.pt
 _WRITER = re.compile(r"^(?:__(\d+)_\d+\.distcp|extra_rank(\d+)\.pt)$")
 
@@ -82,37 +88,10 @@ def _raise_failures(failures: list[tuple[int | None, str] | None], what: str) ->
         raise OSError(codes[0], text) if codes else RuntimeError(text)
 
 
-def sha256(path: Path) -> str:
-    """SHA-256 of a file, streamed. Why SHA-256 rather than a CRC: OpenSSL's SHA-256 uses the
-    CPU's SHA extensions and here hashes ~0.7 GB/s, faster than zlib.crc32 (~0.3 GB/s), releases
-    the GIL, catches any truncation or flipped bit, and `sha256sum` checks a file by hand."""
-    digest = hashlib.sha256()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with path.open("rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            digest.update(view[:n])
-    return digest.hexdigest()
-
-
 def _writer_rank(name: str) -> int:
     """The rank that wrote (and, at save, hashes) a checkpoint file; 0 for shared files."""
     m = _WRITER.match(name)
     return int(m.group(1) or m.group(2)) if m else 0
-
-
-def _file_problem(path: Path, expected: dict[str, Any]) -> str | None:
-    try:
-        if not path.is_file():
-            return f"{path.name} is missing"
-        size = path.stat().st_size
-        if size != expected["bytes"]:
-            return f"{path.name} has {size} bytes, meta.json says {expected['bytes']} (truncated or partial)"
-        if sha256(path) != expected["sha256"]:
-            return f"{path.name} does not match its SHA-256 in meta.json"
-    except (OSError, KeyError, TypeError) as err:  # an unreadable file, a malformed entry
-        return f"{path.name} cannot be checked ({type(err).__name__}: {err})"
-    return None
 
 
 def verify(path: Path) -> str | None:
@@ -120,21 +99,10 @@ def verify(path: Path) -> str | None:
 
     A collective: each rank hashes every world-th file (by writer rank), then all ranks see all
     results. A checkpoint written before meta.json listed its files is not checked."""
-    problems = []
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-        files = meta.get("files", {})
-        if not isinstance(meta.get("step"), int) or not isinstance(files, dict):
-            raise ValueError("no step number or file list")
-        if "files" not in meta and _rank() == 0:
-            log.warning("checkpoint %s lists no checksums (written by an older Sonic): not verified", path)
-    except (OSError, ValueError, AttributeError) as err:  # AttributeError: JSON that is not an object
-        problems, files = [f"meta.json is unreadable ({type(err).__name__}: {err})"], {}
-    for name in sorted(files):
-        if _writer_rank(name) % _world() == _rank():
-            problem = _file_problem(path / name, files[name])
-            problems += [problem] if problem else []
-    problems = sorted({p for ps in _all_gather(problems) for p in ps})
+    problems = checkpoint_problems(path, select=lambda name: _writer_rank(name) % _world() == _rank())
+    if problems is None and _rank() == 0:
+        log.warning("checkpoint %s lists no checksums (written by an older Sonic): not verified", path)
+    problems = sorted({p for ps in _all_gather(problems or []) for p in ps})
     return "; ".join(problems) or None
 
 
@@ -162,19 +130,7 @@ def all_finite(tensors) -> bool:
 
 
 def _os_error(err: BaseException) -> OSError | None:
-    """The OSError behind `err`, looking through DCP's CheckpointException (rank -> (error, trace))."""
-    todo, seen = [err], set()
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError):
-            return e
-        for f in (getattr(e, "failures", None) or {}).values():
-            todo.append(f[0] if isinstance(f, tuple) else f)
-        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
-    return None
+    return find_cause(err, OSError)
 
 
 def _failure(err: BaseException | None) -> tuple[int | None, str] | None:
@@ -187,19 +143,24 @@ def _failure(err: BaseException | None) -> tuple[int | None, str] | None:
     return (os_err.errno if os_err else None), f"{type(os_err or err).__name__}: {os_err or err}"
 
 
-def check_run_dir(run_dir: Path) -> None:
-    """Fail at start-up, on every rank, if `run_dir` cannot be created or written."""
-    failure = None
-    # Named per process, not per rank: Hydra's callback runs this before init_process_group, when
-    # every rank is rank 0, and two ranks sharing one probe could delete each other's.
-    probe = run_dir / f".write_test.{socket.gethostname()}.{os.getpid()}"
+def unwritable(directory: Path) -> str | None:
+    """Why `directory` cannot be created or written to (None: it can), tried with a probe file.
+    Named per process, not per rank: Hydra's callback runs check_run_dir before
+    init_process_group, when every rank is rank 0, and two ranks sharing one probe could delete
+    each other's."""
+    probe = directory / f".write_test.{socket.gethostname()}.{os.getpid()}"
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"sonic")
         probe.unlink()
     except OSError as err:
-        failure = f"{type(err).__name__}: {err}"
-    failures = [(r, f) for r, f in enumerate(_all_gather(failure)) if f]
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Fail at start-up, on every rank, if `run_dir` cannot be created or written."""
+    failures = [(r, f) for r, f in enumerate(_all_gather(unwritable(run_dir))) if f]
     if failures:
         where = "; ".join(f"rank {r}: {f}" if _world() > 1 else f for r, f in failures)
         raise ValueError(f"train.run_dir={str(run_dir)!r} cannot be written ({where}); set train.run_dir to a "
@@ -207,7 +168,11 @@ def check_run_dir(run_dir: Path) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors and plain values (loadable with weights_only=True)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -215,10 +180,37 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    if isinstance(n, dict):
+        n = (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    np.random.set_state(n)  # a tuple with a numpy array in checkpoints of an older Sonic
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _numpy_array_globals() -> list:
+    """What a pickled numpy array references (older checkpoints held numpy's RNG state as one):
+    constructors of arrays and dtypes only, which weights_only=True may then build."""
+    core = getattr(np, "_core", None) or np.core
+    return [np.ndarray, np.dtype, type(np.dtype(np.uint32)), core.multiarray._reconstruct]
+
+
+def plain(obj: Any, where: str = "state") -> Any:
+    """`obj` as tensors and plain values (dict, list, tuple, str, int, float, bool, None), what
+    torch.load(weights_only=True) reads back: numpy scalars become Python numbers and numpy arrays
+    tensors; anything else is an error now, at the save, rather than at the resume."""
+    if obj is None or isinstance(obj, (str, bool, int, float, torch.Tensor)):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, dict):
+        return {plain(k, where): plain(v, f"{where}[{k!r}]") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):  # a namedtuple becomes a tuple
+        return (list if isinstance(obj, list) else tuple)(plain(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    raise TypeError(f"{where} is a {type(obj).__name__}: a checkpoint holds only tensors and plain values")
 
 
 def _clean(name: str) -> str:
@@ -240,7 +232,9 @@ class Checkpointer:
         self.root = Path(root)
         self.keep_last = keep_last
 
-    def save(self, step: int, model, optimizer, extra: dict[str, Any], config_yaml: str) -> Path:
+    def save(self, step: int, model, optimizer, extra: dict[str, Any], config_yaml: str,
+             keep: Path | None = None) -> Path:
+        """Write checkpoint `step`; then delete all but the newest train.keep_last, and `keep`."""
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f"step_{step:08d}.tmp"
         if not all_finite(model.parameters()):
@@ -249,7 +243,7 @@ class Checkpointer:
                                      f"{self.root} keeps only intact checkpoints. Lower optim.lr and resume "
                                      f"from the newest one (train.resume=auto)")
         try:
-            self._write(step, tmp, final, model, optimizer, extra, config_yaml)
+            self._write(step, tmp, final, model, optimizer, plain(extra, "extra"), config_yaml, keep)
         except (Exception, dcp.api.CheckpointException) as err:  # noqa: BLE001 - DCP's is a BaseException
             _barrier()  # every rank has left _write: the .tmp directory is no longer written to
             if _rank() == 0:
@@ -264,7 +258,7 @@ class Checkpointer:
         return final
 
     def _write(self, step: int, tmp: Path, final: Path, model, optimizer, extra: dict[str, Any],
-               config_yaml: str) -> None:
+               config_yaml: str, keep: Path | None) -> None:
         """Write the checkpoint into `tmp`, then rename it to `final`. Each phase ends in a collective
         after which every rank raises if any rank failed (DCP's own save already fails together)."""
         error = None
@@ -288,7 +282,7 @@ class Checkpointer:
         try:
             for f in sorted(tmp.iterdir()) if error is None else []:  # each rank hashes what it wrote,
                 if _writer_rank(f.name) == _rank():  # while it is still in its page cache
-                    hashes[f.name] = {"bytes": f.stat().st_size, "sha256": sha256(f)}
+                    hashes[f.name] = file_entry(f)
         except Exception as err:  # noqa: BLE001
             error = err
         gathered = _all_gather((_failure(error), hashes))
@@ -299,15 +293,15 @@ class Checkpointer:
             try:
                 files = {name: h for _, hs in gathered for name, h in hs.items()}
                 (tmp / "config.yaml").write_text(config_yaml)
-                files["config.yaml"] = {"bytes": (tmp / "config.yaml").stat().st_size,
-                                        "sha256": sha256(tmp / "config.yaml")}
+                files["config.yaml"] = file_entry(tmp / "config.yaml")
                 meta = {"step": step, "world_size": _world(), "files": dict(sorted(files.items()))}
                 (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
                 if final.exists():  # an older save of the same step (e.g. after a rollback)
                     shutil.rmtree(final)
                 os.replace(tmp, final)
                 for old in complete_checkpoints(self.root)[:-self.keep_last] if self.keep_last > 0 else []:
-                    shutil.rmtree(old, ignore_errors=True)
+                    if old != keep:
+                        shutil.rmtree(old, ignore_errors=True)
             except Exception as err:  # noqa: BLE001
                 error = err
         _raise_failures(_all_gather(_failure(error)), f"finishing {final.name}")
@@ -347,15 +341,23 @@ class Checkpointer:
             meta = json.loads((path / "meta.json").read_text())
             msd, osd = get_state_dict(model, optimizer)
             state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=str(path))
+            read_dcp(state, path)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         except (Exception, dcp.api.CheckpointException) as err:  # noqa: BLE001 - DCP's is a BaseException
+            unsafe = find_cause(err, pickle.UnpicklingError)
+            if unsafe is not None:
+                raise ValueError(f"checkpoint {path} {UNTRUSTED} ({str(unsafe).splitlines()[0]})") from err
             raise ValueError(f"checkpoint {path} does not match this model and optimizer, or is corrupt ({err}); "
                              f"resume with the config it was saved with (its config.yaml), point train.resume at "
                              f"another checkpoint, or set train.resume=none") from err
         same_world = meta["world_size"] == _world()
         extra_file = path / f"extra_rank{_rank() if same_world else 0}.pt"
-        extra = torch.load(extra_file, weights_only=False)
+        try:
+            with torch.serialization.safe_globals(_numpy_array_globals()):  # an older Sonic's numpy RNG state
+                extra = torch.load(extra_file, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise ValueError(f"checkpoint {path}: {extra_file.name} {UNTRUSTED} "
+                             f"({str(err).splitlines()[0]})") from err
         if same_world:
             set_rng_state(extra["rng"])
             buffers = persistent_buffers(model)
@@ -363,8 +365,8 @@ class Checkpointer:
                 for name, saved in extra.get("buffers", {}).items():
                     buffers[name].copy_(saved)
         else:
-            warnings.warn(f"resuming a {meta['world_size']}-rank checkpoint on {_world()} ranks: model, optimizer "
-                          f"and schedule are restored; the data order and RNG restart from the seed")
+            warnings.warn(f"resuming a {meta['world_size']}-rank checkpoint on {_world()} ranks: model and optimizer "
+                          f"are restored; the data order and RNG restart from the seed")
             extra.pop("loader", None)
         extra["step"] = meta["step"]
         return extra

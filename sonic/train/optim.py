@@ -52,26 +52,60 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
             continue
         is_vector_or_embedding = p.dim() < 2 or "embed_tokens" in name or name.endswith(("b1_EF", "b2_ED"))
         (no_decay if is_vector_or_embedding and not cfg.decay_norms_and_embeddings else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[cfg.implementation]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay}], lr=cfg.lr,
+                                  **_IMPLEMENTATION_FLAGS[cfg.implementation])
+    apply_config(optimizer, cfg)
+    return optimizer
+
+
+# torch.optim.AdamW's flags for each optim.implementation (None: torch's default, False here)
+_IMPLEMENTATION_FLAGS = {"fused": {"fused": True, "foreach": None}, "foreach": {"foreach": True, "fused": None},
+                         "for_loop": {"foreach": False, "fused": None}}
+
+
+def apply_config(optimizer: torch.optim.AdamW, cfg: OptimConfig) -> None:
+    """Set every hyperparameter of the two groups (decay, no decay) from `cfg`. Called again after a
+    resume: loading an optimizer's state also loads the checkpoint's hyperparameters, and a changed
+    optim.* on resume is meant to apply (the LR is set every step, see `set_lr`)."""
+    decay, no_decay = optimizer.param_groups
+    for group, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0)):
+        group.update(weight_decay=weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                     **_IMPLEMENTATION_FLAGS[cfg.implementation])
+
+
+def set_lr(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int, total_steps: int) -> float:
+    """Give the optimizer the LR of the step after `step` completed steps, from the config alone
+    (no scheduler state: a resumed run with a new optim.lr or train.steps follows it). Returns it."""
+    lr = cfg.lr * lr_factor(step, total_steps, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def _by_mesh(tensors) -> list[list]:
+    """`tensors` grouped by device mesh: DTensor norms take one mesh at a time, and under expert
+    parallelism the experts live on another mesh than the rest."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(getattr(t, "device_mesh", None), []).append(t)
+    return list(groups.values())
+
+
+def global_norm(tensors) -> torch.Tensor:
+    """The L2 norm of all of `tensors` together, over every shard, as a plain tensor (no host sync)."""
+    norms = []
+    for group in _by_mesh(tensors):
+        norm = torch.nn.utils.get_total_norm(group)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     """Scale the gradients to a global L2 norm of at most max_norm (inf: only measure it) and
-    return that norm as a plain tensor, over every shard. DTensor norms take one device mesh at a
-    time, and under expert parallelism the experts live on another mesh than the rest."""
-    by_mesh: dict = {}
-    for p in params:
-        if p.grad is not None:
-            by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
-    norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-    for group in by_mesh.values():
+    return that norm as a plain tensor, over every shard."""
+    params = [p for p in params if p.grad is not None]
+    total = global_norm([p.grad for p in params])
+    for group in _by_mesh(params):
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
@@ -90,7 +124,3 @@ def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
     if step < decay_start:
         return 1.0
     return 1.0 - (1 - lo) * (step - decay_start) / max(1, total_steps - decay_start)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))

@@ -4,6 +4,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import os
 import random
 import time
 from dataclasses import asdict
@@ -20,15 +22,15 @@ from sonic.data import build_loaders, build_tokenizer
 from sonic.kernels import resolve_backend
 from sonic.models import Transformer, param_counts, training_flops
 from sonic.models.hf import check_init_config
-from sonic.models.loading import load_model
+from sonic.models.loading import complete_checkpoints, load_model
 from sonic.parallel import (PreemptionGuard, all_reduce_, build_model, init_distributed, load_full_state_dict,
                             memory_after_init, set_gradient_sync)
 from sonic.train.checkpoint import Checkpointer, check_run_dir
-from sonic.train.config import Config, to_yaml
+from sonic.train.config import Config, check_resume_config, to_yaml
 from sonic.train.guard import NonFiniteGuard
 from sonic.train.loggers import MetricLogger
 from sonic.train.metrics import expert_load, peak_flops, speed_metrics
-from sonic.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from sonic.train.optim import apply_config, build_optimizer, clip_grad_norm, set_lr
 
 log = logging.getLogger("sonic")
 
@@ -69,6 +71,49 @@ def _doc_ids(batch, cfg: Config, device):
     return batch["doc_ids"].to(device) if cfg.train.document_masking else None
 
 
+@torch.no_grad()
+def finite_loss(model, batch, cfg: Config, device: torch.device) -> bool:
+    """Whether the model's loss on `batch` is finite on every rank: the weights about to be saved
+    are checked with one forward (eval mode, the RNG untouched), so a checkpoint never holds weights
+    that a finite step overflowed."""
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast_context(cfg, device):
+            out = model(batch["input_ids"].to(device), _doc_ids(batch, cfg, device), batch["labels"].to(device))
+    finally:
+        model.train()
+    return not all_reduce_((~torch.isfinite(out.loss.detach().float())).float().reshape(1)).item()
+
+
+def drop_metrics_after(path: Path, step: int) -> int:
+    """Remove the rows of metrics.jsonl past `step` (a resumed run logs them again); returns how many.
+    A row cut short by a kill is dropped too. Rewritten to a temporary file, then renamed."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines(keepends=True)
+
+    def kept(line: str) -> bool:
+        try:
+            return json.loads(line)["step"] <= step and line.endswith("\n")
+        except (ValueError, KeyError, TypeError):
+            return False
+
+    keep = [line for line in lines if kept(line)]
+    if len(keep) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
+    return len(lines) - len(keep)
+
+
+def suggested_lr(lr: float, weight_rms: float) -> float:
+    """A lower optim.lr to recover a diverged run with: a tenth of the smaller of the LR and the
+    weights' RMS (AdamW moves each weight by about lr per step), one significant digit, rounded down."""
+    x = min(lr, weight_rms) / 10
+    unit = 10 ** math.floor(math.log10(x))
+    return math.floor(x / unit) * unit
+
+
 def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
     """Train per `cfg`; return the metrics logged on this rank (one dict per logged step).
 
@@ -90,6 +135,12 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
                          f"{cfg.model.vocab_size}; raise model.vocab_size or pick another data.tokenizer")
     ckpt = Checkpointer(run_dir / "checkpoints", keep_last=t.keep_last)
     resume_from = ckpt.find(t.resume)
+    if resume_from is not None and (resume_from / "config.yaml").is_file():
+        # a ValueError for a change the weights cannot follow; the others are applied, and listed
+        changes = check_resume_config((resume_from / "config.yaml").read_text(), cfg, resume_from)
+        if changes and info.is_main:
+            log.warning("resuming from %s with %d config change(s), applied from here on: %s", resume_from,
+                        len(changes), "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()))
     # Built on meta, sharded, then each rank initialises only its shards: no rank holds the full model.
     model = build_model(cfg.model, cfg.parallel, info, seed=t.seed)
     if t.init_from and resume_from is None:
@@ -98,8 +149,16 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
     init_memory = memory_after_init(model, info)  # logged with the first step
     counts = param_counts(cfg.model)
     optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
-    guard = NonFiniteGuard(optimizer, t.nonfinite, t.max_consecutive_skips, device, verbose=info.is_main)
+    def recovery() -> str:
+        newest = complete_checkpoints(ckpt.root)
+        where = (f"train.resume=auto resumes from {newest[-1]}, the newest checkpoint" if newest else
+                 "no checkpoint was written, so it starts from step 0")
+        return (f"To recover, run the same command again with a lower LR, e.g. optim.lr="
+                f"{suggested_lr(cfg.optim.lr, start_rms):.0e} ({where}; the LR comes from the config at every "
+                f"step, also on a resume), or raise optim.warmup_steps, or check the data")
+
+    guard = NonFiniteGuard(optimizer, t.nonfinite, t.max_consecutive_skips, device, t.max_update_ratio,
+                           verbose=info.is_main, recovery=recovery)
     train_loader, val_loader = build_loaders(cfg.data, tokenizer=tokenizer, seq_len=t.seq_len,
                                              micro_batch_size=t.micro_batch_size, rank=info.rank,
                                              world_size=info.world_size, seed=t.seed)
@@ -108,24 +167,37 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
     step = 0
     if resume_from is not None:
         extra = ckpt.load(resume_from, model, optimizer)
-        scheduler.load_state_dict(extra["scheduler"])
+        apply_config(optimizer, cfg.optim)  # the optimizer's state came with the checkpoint's hyperparameters
         if "loader" in extra:
             train_loader.load_state_dict(extra["loader"])
         if "guard" in extra:
             guard.load_state_dict(extra["guard"])
         step = extra["step"]
         log.info("resumed from %s at step %d (train.resume=none starts afresh)", resume_from, step)
+    start_rms = guard.weight_rms()  # of the weights this run starts from: what recovery()'s LR scales with
 
-    def save(step: int) -> None:
+    def save(step: int, batch) -> bool:
+        """Write a checkpoint of the weights after `step` if they are good; returns whether it did.
+        Not during a run of skipped steps (the trainer retries at the next step), never of weights
+        whose loss on `batch` is not finite; retention keeps the newest checkpoint from before the
+        latest run of skips."""
         guard.check()  # a run past train.max_consecutive_skips stops here instead of saving
-        extra = {"scheduler": scheduler.state_dict(), "loader": train_loader.state_dict(),
-                 "guard": guard.state_dict()}
-        path = ckpt.save(step, model, optimizer, extra, to_yaml(cfg))
+        if guard.in_streak:
+            return False
+        if not finite_loss(model, batch, cfg, device):
+            raise FloatingPointError(
+                f"the weights after step {step} give a non-finite loss: the step's update overflowed them, although "
+                f"its own loss and gradient norm were finite (train.max_update_ratio={t.max_update_ratio} did not "
+                f"catch it). Not saving them. {recovery()}")
+        before_streak = [p for p in complete_checkpoints(ckpt.root) if int(p.name[5:]) < guard.streak_start]
+        extra = {"loader": train_loader.state_dict(), "guard": guard.state_dict()}
+        path = ckpt.save(step, model, optimizer, extra, to_yaml(cfg), keep=before_streak[-1] if before_streak else None)
         if info.is_main:
             log.info("saved %s", path)
+        return True
 
     # --- logging ------------------------------------------------------------------------
-    logger = MetricLogger(cfg.wandb, str(run_dir), asdict(cfg), enabled=info.is_main)
+    logger = MetricLogger(cfg.wandb, str(run_dir), asdict(cfg), enabled=info.is_main, resume=resume_from is not None)
     tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum  # per rank
     fpt = training_flops(cfg.model, t.seq_len)
     peak = peak_flops(device, t.peak_tflops)
@@ -137,15 +209,20 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
                  cfg.model.moe.kernel_backend)
     history: list[dict] = []
     metrics_file = run_dir / "metrics.jsonl"
+    if info.is_main:
+        dropped = drop_metrics_after(metrics_file, step)
+        if dropped:
+            log.info("dropped %d row(s) of %s past step %d: this run logs them again", dropped, metrics_file, step)
     bar = tqdm(total=t.steps, initial=step, disable=not (t.progress and info.is_main), dynamic_ncols=True)
 
     # --- the loop -----------------------------------------------------------------------
     model.train()
     bias_update = cfg.model.moe.routing.bias_update_rate > 0
-    preempted = False
+    preempted = pending_save = False  # pending: a save deferred by a run of skipped steps
     with logging_redirect_tqdm(), PreemptionGuard(device) as preemption:
         last_step, last_time = step, time.perf_counter()
         while step < t.steps:
+            lr = set_lr(optimizer, cfg.optim, step, t.steps)  # from the config alone, also after a resume
             loss_sum = torch.zeros(3, device=device)  # lm loss, aux loss, z loss (summed over micro-batches)
             load_LE = None
             topk_rows = torch.zeros((), device=device)  # rows plain top-K would route (before any rounding)
@@ -166,8 +243,8 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
                     aux = z = torch.zeros((), device=device)
                 loss_sum += torch.stack([loss.detach(), aux, z])
             grad_norm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip or float("inf"))  # over all shards
-            guard.step(grad_norm, step + 1)  # optimizer.step(), unless the norm is non-finite (train.nonfinite)
-            scheduler.step()  # also after a skipped step: the schedule follows the step counter
+            # optimizer.step(), unless the loss or norm is non-finite or the update too large (train.nonfinite)
+            guard.step(grad_norm, step + 1, loss=loss_sum[0])
             optimizer.zero_grad(set_to_none=True)
             step += 1
             bar.update(1)
@@ -182,7 +259,7 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
             if is_log:
                 means = (all_reduce_(loss_sum, "mean") / t.grad_accum).tolist()  # waits for the device
                 now = time.perf_counter()
-                metrics = {"loss": means[0], "aux_loss": means[1], "z_loss": means[2], "lr": scheduler.get_last_lr()[0],
+                metrics = {"loss": means[0], "aux_loss": means[1], "z_loss": means[2], "lr": lr,
                            "grad_norm": grad_norm.item(),
                            **speed_metrics(tokens_per_step * (step - last_step) / (now - last_time),
                                            info.world_size, fpt, peak, device)}
@@ -205,18 +282,23 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
                     with metrics_file.open("a") as f:
                         f.write(json.dumps({"step": step, **metrics}) + "\n")
                 last_step, last_time = step, time.perf_counter()  # evaluation stays out of the throughput
-            saved = bool(t.save_every) and (step % t.save_every == 0 or step == t.steps)
-            if saved:
-                save(step)
+            due = pending_save or (bool(t.save_every) and (step % t.save_every == 0 or step == t.steps))
+            saved = due and save(step, batch)
+            if due and not saved and not pending_save and info.is_main:
+                log.warning("step %d was skipped: its checkpoint waits for the first step that is not", step)
+            pending_save = due and not saved
             if preemption.stop_requested():  # a signal on any rank: save, leave, get requeued
-                if not saved:
-                    save(step)
+                if not saved and not save(step, batch) and info.is_main:
+                    log.warning("not saved at step %d: it was skipped; a resume starts from the newest checkpoint",
+                                step)
                 if info.is_main:
                     log.warning("stopped at step %d on a preemption signal; train.resume=auto continues here", step)
                 preempted = True
                 break
             if saved:
                 last_step, last_time = step, time.perf_counter()
+    if pending_save and not preempted and info.is_main:
+        log.warning("the run ended in skipped steps: the checkpoint of its last step was not written")
     bar.close()
     logger.close()
     info.shutdown()

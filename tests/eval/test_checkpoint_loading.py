@@ -1,10 +1,14 @@
-"""sonic.models.loading: every accepted checkpoint form loads the same weights; bad paths are named."""
+"""sonic.models.loading: every accepted checkpoint form loads the same weights; bad paths are named;
+a corrupt checkpoint stops every reader (eval, export, init_from); eval checks where it writes first."""
+import json
+import pathlib
 import shutil
+import sys
 
 import pytest
 import torch
 
-from sonic.models.loading import load_model, save_model_file
+from sonic.models.loading import file_entry, load_model, save_model_file
 from tests.eval.conftest import save_checkpoint, tiny_config, tiny_model
 
 
@@ -69,13 +73,21 @@ def test_missing_dcp_metadata_is_named_corrupt(step_dir):
 
 def test_missing_config_is_named(step_dir):
     (step_dir / "config.yaml").unlink()
-    with pytest.raises(ValueError, match=f"checkpoint {step_dir}: config.yaml is missing"):
+    with pytest.raises(ValueError, match=f"checkpoint {step_dir} is corrupt \\(config.yaml is missing"):
         load_model(step_dir)
+
+
+def rehash(step_dir, name):
+    """Record file `name`'s new size and SHA-256 in meta.json, as someone who edits a checkpoint would."""
+    meta = json.loads((step_dir / "meta.json").read_text())
+    meta["files"][name] = file_entry(step_dir / name)
+    (step_dir / "meta.json").write_text(json.dumps(meta))
 
 
 def test_config_that_does_not_match_the_weights_is_named(step_dir):
     text = (step_dir / "config.yaml").read_text()
     (step_dir / "config.yaml").write_text(text.replace("num_layers: 2", "num_layers: 3"))
+    rehash(step_dir, "config.yaml")
     with pytest.raises(ValueError, match=f"checkpoint {step_dir} is corrupt or does not match its config"):
         load_model(step_dir, kernel_backend="reference")
 
@@ -98,3 +110,57 @@ def test_eval_model_class_reports_a_missing_checkpoint(tmp_path):
     shutil.rmtree(tmp_path)
     with pytest.raises(ValueError, match=str(tmp_path)):
         SonicLM(checkpoint=str(tmp_path))
+
+
+def flip_a_bit(step_dir):
+    shard = next(step_dir.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10  # inside a weight: the file still loads, with a wrong value
+    shard.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_stops_eval_export_and_init_from(step_dir, tmp_path, monkeypatch):
+    """The issue: resume caught a flipped bit, but eval reported acc 0.24 instead of 0.53 from it
+    and export wrote the corrupt weights. Every reader checks meta.json's checksums first."""
+    from scripts import export_hf
+    from sonic.train.trainer import load_weights
+
+    flip_a_bit(step_dir)
+    corrupt = rf"checkpoint {step_dir} is corrupt \(__0_0.distcp does not match its SHA-256 in meta.json\)"
+    with pytest.raises(ValueError, match=corrupt):
+        load_model(step_dir)
+    monkeypatch.setattr(sys, "argv", ["export_hf.py", str(step_dir), str(tmp_path / "hf")])
+    with pytest.raises(ValueError, match=corrupt):
+        export_hf.main()
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(ValueError, match=corrupt):
+        load_weights(tiny_model(tiny_config()), str(tmp_path))  # train.init_from=<run dir>
+    pytest.importorskip("lm_eval")
+    from eval.lm import SonicLM
+
+    with pytest.raises(ValueError, match=corrupt):
+        SonicLM(checkpoint=str(step_dir))
+
+
+def test_eval_checks_its_output_dir_before_evaluating(step_dir, monkeypatch):
+    """The issue: with a read-only checkpoint folder, `python -m eval` ran the whole evaluation,
+    then crashed writing <checkpoint>/eval, and the results were lost."""
+    pytest.importorskip("lm_eval")
+    import eval.__main__ as entry
+    from eval.config import EvalConfig
+
+    def read_only(real):
+        def write(self, *args, **kwargs):
+            if step_dir in (self, *self.parents):
+                raise PermissionError(13, "Permission denied", str(self))
+            return real(self, *args, **kwargs)
+        return write
+
+    for method in ("mkdir", "write_bytes", "write_text", "touch"):  # as root, chmod would not stop the writes
+        monkeypatch.setattr(pathlib.Path, method, read_only(getattr(pathlib.Path, method)))
+    evaluated = []
+    monkeypatch.setattr(entry, "evaluate", lambda *args, **kwargs: evaluated.append(1) or {"results": {}})
+    with pytest.raises(ValueError, match=rf"output_dir='{step_dir}/eval' cannot be written \(PermissionError.*"
+                                         r"set output_dir to a writable directory"):
+        entry.run(EvalConfig(checkpoint=str(step_dir), tasks=["sonic_world"], limit=2))
+    assert not evaluated

@@ -11,6 +11,7 @@ import math
 import pytest
 
 from scripts.repro import activation_memory, e2e_throughput, kernel_throughput, paper, sparse_tr, tr_quality
+from tests.helpers import changed_files, checkout_files
 
 PNG = b"\x89PNG"
 SEVEN_B = list(paper.TABLE_9B["7B"][0])  # (24576, 1536, 256, 128, 8)
@@ -206,12 +207,19 @@ def test_e2e_records_carry_speed_and_every_layers_load(tmp_path):
 
 @pytest.mark.slow
 def test_reduced_run_trains_three_arms_and_renders(tmp_path):
-    """--reduced end to end on CPU, with the model cut to a toy (the GPU run is the same commands)."""
+    """--reduced end to end on CPU, with the model cut to a toy (the GPU run is the same commands).
+    Its run directories go to --runs-dir: the checkout is left as it was (it used to train into the
+    checkout's runs/tr_0p5b_reduced/, deleting a user's arm folders first)."""
     toy = ["model.num_layers=1", "model.dim=32", "model.num_heads=2", "model.moe.expert_dim=16",
            "model.moe.kernel_backend=reference", "model.moe.routing.tile_size=16", "train.seq_len=64",
            "train.micro_batch_size=4", "train.steps=4", "train.eval_every=2", "train.log_every=2",
            "optim.warmup_steps=1", "data.val_docs=8"]
-    tr_quality.main(["--reduced", "--seeds", "0,1", "--corpus-mb", "1", "--out-dir", str(tmp_path), "--", *toy])
+    before = checkout_files()
+    tr_quality.main(["--reduced", "--seeds", "0,1", "--corpus-mb", "1", "--out-dir", str(tmp_path),
+                     "--runs-dir", str(tmp_path / "runs"), "--", *toy])
+    assert changed_files(before, checkout_files()) == []
+    assert sorted(p.name for p in (tmp_path / "runs" / "tr_0p5b_reduced").iterdir()) == sorted(
+        ["corpus.jsonl", *(f"{arm}_s{seed}" for arm in tr_quality.ARMS for seed in (0, 1))])
     kept = tmp_path / "tr_reduced"
     assert sorted(f.name for f in kept.glob("*.metrics.jsonl")) == sorted(
         f"{arm}.s{seed}.metrics.jsonl" for arm in tr_quality.ARMS for seed in (0, 1))

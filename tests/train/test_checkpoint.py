@@ -1,21 +1,26 @@
 """Checkpointer integrity on one process: checksums in meta.json, corrupt checkpoints set aside
 by resume=auto (or a clear error for a path), a full disk mid-save, non-finite weights, an
-unwritable run directory."""
+unwritable run directory, and loading that runs no code from the files."""
 import errno
 import hashlib
+import io
 import json
 import logging
 import pathlib
+import pickle
+import random
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 
 from sonic.models import ModelConfig, MoEConfig, Transformer
-from sonic.train.checkpoint import Checkpointer, check_run_dir, verify
+from sonic.models.loading import SafePlanner, file_entry, load_model
+from sonic.train.checkpoint import Checkpointer, check_run_dir, plain, rng_state, set_rng_state, verify
 from sonic.train.optim import OptimConfig, build_optimizer
 
 
@@ -189,3 +194,90 @@ def test_ranks_checking_one_run_dir_before_init_process_group_do_not_collide(tmp
     monkeypatch.setattr(pathlib.Path, "unlink", other_rank_checks_first)
     check_run_dir(tmp_path)
     assert not list(tmp_path.iterdir())  # both probes gone
+
+
+class RunsCode:
+    """Unpickling this runs code: it writes `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('code ran')",)
+
+
+def plant(step_dir, name, obj):
+    """Replace file `name` with a pickle of `obj` and record its new hash in meta.json, as someone
+    who rewrites a checkpoint would: the checksums pass."""
+    torch.save(obj, step_dir / name) if name.endswith(".pt") else (step_dir / name).write_bytes(pickle.dumps(obj))
+    meta = json.loads((step_dir / "meta.json").read_text())
+    meta["files"][name] = file_entry(step_dir / name)
+    (step_dir / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("name", ["extra_rank0.pt", ".metadata"])
+def test_loading_a_checkpoint_runs_no_code_from_it(saved, tmp_path, name):
+    """The issue: a pickle planted in extra_rank0.pt (with meta.json's hash updated) ran on resume.
+    DCP's .metadata is a pickle too. Both are refused before anything in them runs."""
+    ckpt, model, optimizer = saved
+    marker = tmp_path / "marker"
+    plant(step_dir(ckpt, 2), name, {"rng": RunsCode(marker)} if name.endswith(".pt") else RunsCode(marker))
+    assert ckpt.find("auto") == step_dir(ckpt, 2)  # the checksums match
+    untrusted = r"holds more than tensors and plain values, so it was not loaded: loading it could run code. Load " \
+                r"checkpoints only from places you trust \((builtins.exec is not part of a checkpoint's metadata|" \
+                r"Weights only load failed)"
+    with pytest.raises(ValueError, match=untrusted):
+        ckpt.load(step_dir(ckpt, 2), model, optimizer)
+    if name == ".metadata":  # eval and export read the model's weights from it
+        with pytest.raises(ValueError, match=untrusted):
+            load_model(step_dir(ckpt, 2))
+    assert not marker.exists()
+    assert ckpt.load(step_dir(ckpt, 1), model, optimizer)["marker"] == 1  # an intact one loads as before
+
+
+def test_dcp_byte_items_load_without_running_code(tmp_path):
+    """DCP loads a checkpoint's non-tensor items (the optimizer's hyperparameters) with
+    torch.load(weights_only=False); Sonic's planner refuses anything but tensors and plain values."""
+    marker, item = tmp_path / "marker", io.BytesIO()
+    torch.save(RunsCode(marker), item)
+    item.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        SafePlanner().load_bytes(None, item)
+    assert not marker.exists()
+
+
+def test_the_resume_state_is_tensors_and_plain_values(saved):
+    ckpt, model, optimizer = saved
+    extra = torch.load(step_dir(ckpt, 2) / "extra_rank0.pt", weights_only=True)  # raises on anything else
+    assert isinstance(extra["rng"]["numpy"]["keys"], torch.Tensor)
+    state = rng_state()
+    expected = random.random(), np.random.rand(), torch.rand(1).item()
+    set_rng_state(torch.load(io.BytesIO(_saved(state)), weights_only=True))  # saved and loaded as a resume does
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    with pytest.raises(TypeError, match=r"extra\['loader'\]\['x'\] is a RunsCode"):
+        ckpt.save(3, model, optimizer, {"loader": {"x": RunsCode("nowhere")}}, "model: {}\n")
+    assert plain({"a": np.int64(3), "b": (np.float32(0.5), np.arange(2))})["b"][1].tolist() == [0, 1]
+
+
+def _saved(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_a_checkpoint_of_an_older_sonic_still_resumes(saved):
+    """Older checkpoints held numpy's RNG state as a numpy array and the LR scheduler's state:
+    both still load (numpy arrays without running code), and the scheduler's is ignored."""
+    ckpt, model, optimizer = saved
+    path = step_dir(ckpt, 2)
+    extra = torch.load(path / "extra_rank0.pt", weights_only=True)
+    extra["rng"]["numpy"] = np.random.get_state()
+    extra["scheduler"] = {"base_lrs": [3e-3], "last_epoch": 2}
+    torch.save(extra, path / "extra_rank0.pt")
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"]["extra_rank0.pt"] = file_entry(path / "extra_rank0.pt")
+    (path / "meta.json").write_text(json.dumps(meta))
+    expected = np.random.rand()
+    np.random.rand()
+    assert ckpt.load(path, model, optimizer)["marker"] == 2
+    assert np.random.rand() == expected

@@ -1,6 +1,6 @@
 """The non-finite guard: a skipped step leaves weights and AdamW state exactly as they were, for
-each optim.implementation; stop raises first; consecutive skips stop the run; no host sync on
-the fused path."""
+each optim.implementation; a non-finite loss or an update that could explode the weights is
+skipped too; stop raises first; consecutive skips stop the run; no host sync on the fused path."""
 import copy
 
 import pytest
@@ -72,7 +72,7 @@ def test_a_skipped_step_changes_nothing_and_the_next_step_is_as_if_it_never_happ
 def test_fused_skip_reads_nothing_back_from_the_device(monkeypatch):
     model = tiny()
     optimizer = build_optimizer(model, OptimConfig(implementation="fused"))
-    guard = NonFiniteGuard(optimizer, "skip", 3, CPU)
+    guard = NonFiniteGuard(optimizer, "skip", 3, CPU, max_update_ratio=1.0)
     norm = backward(model, seed=2, poison=True)
 
     def host_sync(*args, **kwargs):
@@ -81,7 +81,7 @@ def test_fused_skip_reads_nothing_back_from_the_device(monkeypatch):
     with monkeypatch.context() as m:
         for method in ("item", "tolist", "__bool__", "__float__", "__int__"):
             m.setattr(torch.Tensor, method, host_sync)
-        guard.step(norm, step=1)
+        guard.step(norm, step=1, loss=torch.tensor(2.0))
     assert guard.check() == 1
     # the foreach path cannot take found_inf: it does read the flag (as GradScaler does)
     foreach = NonFiniteGuard(build_optimizer(model, OptimConfig(implementation="foreach")), "skip", 3, CPU)
@@ -94,12 +94,13 @@ def test_fused_skip_reads_nothing_back_from_the_device(monkeypatch):
 def test_fused_guard_does_not_synchronize_on_cuda():
     model = tiny().cuda()
     optimizer = build_optimizer(model, OptimConfig(implementation="fused"))
-    guard = NonFiniteGuard(optimizer, "skip", 3, torch.device("cuda"))
+    guard = NonFiniteGuard(optimizer, "skip", 3, torch.device("cuda"), max_update_ratio=1.0)
     norm = backward(model, seed=2, poison=True)
+    loss = torch.tensor(2.0, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        guard.step(norm, step=1)
+        guard.step(norm, step=1, loss=loss)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert guard.check() == 1
@@ -133,7 +134,8 @@ def test_consecutive_skips_stop_the_run_whenever_they_are_read():
     for g in (guard, resumed):
         with pytest.raises(FloatingPointError, match=r"2 consecutive steps up to step 6.*max_consecutive_skips=2"):
             g.check()
-    assert guard.state_dict() == {"skipped": 4, "consecutive": 0, "tripped_at": 6, "last_skipped": 6}
+    assert guard.state_dict() == {"skipped": 4, "consecutive": 0, "tripped_at": 6, "last_skipped": 6, "exploded": 0,
+                                  "streak_start": 5}
 
 
 @pytest.mark.parametrize("kw, field", [({"nonfinite": "ignore"}, "train.nonfinite"),
@@ -141,3 +143,61 @@ def test_consecutive_skips_stop_the_run_whenever_they_are_read():
 def test_bad_nonfinite_config(kw, field):
     with pytest.raises(ValueError, match=field):
         TrainConfig(**kw)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_non_finite_loss_is_skipped_even_with_finite_gradients(impl):
+    """A -inf logit on a target makes the loss inf while softmax - onehot stays finite."""
+    model = tiny()
+    optimizer = build_optimizer(model, OptimConfig(implementation=impl))
+    guard = NonFiniteGuard(optimizer, "skip", 3, CPU)
+    guard.step(backward(model, seed=1), step=1, loss=torch.tensor(2.0))
+    optimizer.zero_grad()
+    norm = backward(model, seed=2)
+    before = snapshot(model, optimizer)
+    guard.step(norm, step=2, loss=torch.tensor(float("inf")))
+    assert_same(snapshot(model, optimizer), before)
+    assert guard.check() == 1 and guard.in_streak and guard.streak_start == 2
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_an_update_that_could_explode_the_weights_is_skipped(impl):
+    """optim.lr=1e6: AdamW's first step moves every weight by the LR, here ~10^7 times the weights'
+    RMS. The step is skipped before it is applied; a sane LR passes."""
+    model = tiny()
+    optimizer = build_optimizer(model, OptimConfig(implementation=impl))
+    guard = NonFiniteGuard(optimizer, "skip", 3, CPU, max_update_ratio=1.0)
+    guard.step(backward(model, seed=1), step=1, loss=torch.tensor(2.0))  # at the default LR: applied
+    optimizer.zero_grad()
+    norm = backward(model, seed=2)
+    before = snapshot(model, optimizer)
+    n = sum(p.numel() for p in model.parameters())
+    rms = torch.linalg.vector_norm(torch.cat([p.detach().flatten() for p in model.parameters()])) / n ** 0.5
+    for group in optimizer.param_groups:
+        group["lr"] = 1.01 * rms.item()  # lr * sqrt(n) just over the weight norm
+    guard.step(norm, step=2, loss=torch.tensor(2.0))
+    assert_same(snapshot(model, optimizer), before)
+    assert guard.check() == 1 and guard.state_dict()["exploded"] == 1
+    for group in optimizer.param_groups:
+        group["lr"] = 0.99 * rms.item()
+    guard.step(norm, step=3, loss=torch.tensor(2.0))
+    assert guard.check() == 1 and not guard.in_streak
+    name, weight = next(iter(model.state_dict().items()))
+    assert not torch.equal(weight, before[0][name])  # applied
+
+
+def test_stop_names_an_update_that_could_explode_the_weights():
+    model = tiny()
+    optimizer = build_optimizer(model, OptimConfig(lr=1e6))
+    guard = NonFiniteGuard(optimizer, "stop", 3, CPU, max_update_ratio=1.0)
+    with pytest.raises(FloatingPointError, match=r"update at LR 1e\+06 could exceed train.max_update_ratio=1.0 x the "
+                                                 r"weight norm at step 1"):
+        guard.step(backward(model, seed=1), step=1)
+
+
+def test_counts_from_an_older_checkpoint_load():
+    guard = NonFiniteGuard(build_optimizer(tiny(), OptimConfig()), "skip", 2, CPU)
+    guard.load_state_dict({"skipped": 3, "consecutive": 1, "tripped_at": 0, "last_skipped": 9})  # no newer counts
+    assert guard.state_dict() == {"skipped": 3, "consecutive": 1, "tripped_at": 0, "last_skipped": 9, "exploded": 0,
+                                  "streak_start": 0}
+    assert guard.in_streak

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sonic.models import ModelConfig, MoEConfig, Transformer
-from sonic.train.optim import OptimConfig, build_optimizer, lr_factor
+from sonic.train.optim import OptimConfig, apply_config, build_optimizer, lr_factor, set_lr
 
 
 def test_cosine_warmup_then_decay_to_min():
@@ -77,3 +77,23 @@ def test_the_three_adamw_implementations_take_the_same_step():
     assert moved > 1e-4  # the steps did something
     for impl in ("foreach", "for_loop"):
         torch.testing.assert_close(after[impl], after["fused"], rtol=1e-5, atol=1e-6)
+
+
+def test_the_config_sets_every_hyperparameter_after_a_resume():
+    """Loading an optimizer's state also loads the checkpoint's hyperparameters; the trainer sets
+    them from the run's config again, and the LR from (config, step) at every step."""
+    model = Transformer(ModelConfig(vocab_size=32, dim=16, num_layers=1, num_heads=2,
+                                    moe=MoEConfig(num_experts=2, top_k=1, expert_dim=8)))
+    saved = build_optimizer(model, OptimConfig(lr=1e6, weight_decay=0.3, beta1=0.5, eps=1e-3, implementation="fused"))
+    cfg = OptimConfig(lr=1e-4, weight_decay=0.05, beta2=0.99, schedule="constant", warmup_steps=10,
+                      implementation="foreach")
+    optimizer = build_optimizer(model, cfg)
+    optimizer.load_state_dict(saved.state_dict())
+    assert optimizer.param_groups[0]["lr"] == 1e6 and optimizer.param_groups[0]["weight_decay"] == 0.3
+    apply_config(optimizer, cfg)
+    assert set_lr(optimizer, cfg, step=4, total_steps=100) == pytest.approx(0.5e-4)  # warmup: (4 + 1) / 10
+    decay, no_decay = optimizer.param_groups
+    for group, weight_decay in ((decay, 0.05), (no_decay, 0.0)):
+        assert group["lr"] == pytest.approx(0.5e-4) and group["weight_decay"] == weight_decay
+        assert group["betas"] == (0.9, 0.99) and group["eps"] == 1e-8
+        assert group["foreach"] and not group["fused"]

@@ -104,6 +104,7 @@ def test_unwritable_run_dir_is_one_clear_message(tmp_path):
     ("model.dim=130", "num_heads"),
     ("model.moe.top_k=9", "top_k"),
     ("data.source=files", "paths"),
+    ("+model.moe.topk=4", "Key 'topk' not in 'MoEConfig'"),  # the append form Hydra suggests, no longer ignored
 ])
 def test_bad_input_fails_with_one_clear_message(override, message, tmp_path):
     proc = run_train(override, f"train.run_dir={tmp_path}", check=False)
