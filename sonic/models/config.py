@@ -72,11 +72,8 @@ class ModelConfig:
             raise ValueError(f"model.first_k_dense={self.first_k_dense} needs model.dense_dim >= 1")
         if self.attn_out_init not in ATTN_OUT_INITS:
             raise ValueError(f"model.attn_out_init={self.attn_out_init!r} is not one of {', '.join(ATTN_OUT_INITS)}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"model.attention_backend={self.attention_backend!r} is not one of "
-                             f"{', '.join(ATTENTION_BACKENDS)}")
-        if self.loss_backend not in LOSS_BACKENDS:
-            raise ValueError(f"model.loss_backend={self.loss_backend!r} is not one of {', '.join(LOSS_BACKENDS)}")
+        ATTENTION_BACKENDS.check(self.attention_backend)
+        LOSS_BACKENDS.check(self.loss_backend)
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ValueError("model.rope_theta, model.norm_eps and model.init_std must be > 0")
 
