@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sonic.kernels import BACKENDS
 from sonic.models.attention import ATTENTION_BACKENDS
 from sonic.models.loss import LOSS_BACKENDS
 from sonic.routing.config import RoutingConfig
@@ -28,6 +29,7 @@ class MoEConfig:
             raise ValueError(f"moe.top_k={self.top_k} must be between 1 and moe.num_experts={self.num_experts}")
         if self.shared_expert_dim < 0:
             raise ValueError(f"moe.shared_expert_dim={self.shared_expert_dim} must be >= 0 (0 disables it)")
+        BACKENDS.check(self.kernel_backend, ("auto",))
 
 
 @dataclass
