@@ -1,4 +1,5 @@
-"""Offline text that every machine has: this Python installation's sources and docs, as documents.
+"""Offline text that every machine has: the embedded corpus the package ships (`embedded_path`), and
+this Python installation's sources and docs, as documents.
 
 GPU machines cannot reach the Hub, so the large presets need data that is already on disk. Two corpora
 come from here, one document per file:
@@ -23,11 +24,11 @@ import re
 import sys
 import sysconfig
 import zlib
+from importlib import resources
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from sonic.data import cache
-from sonic.data.documents import embedded_path
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,11 @@ MIN_LETTER_SHARE = 0.7  # prose files below it are data (number tables, test vec
 SYSTEM_DOCS = Path("/usr/share/doc")
 PROSE_SUFFIXES = (".md", ".rst", ".txt")
 _DOC_NAMES = re.compile(r"(readme|changelog|changes|news|history|authors|thanks|faq|copyright)", re.IGNORECASE)
+
+
+def embedded_path() -> str:
+    """The corpus shipped inside the package (`source: embedded`; `python -m sonic.data.make_corpus` writes it)."""
+    return str(resources.files("sonic.data") / "corpus" / "embedded.txt")
 
 
 def python_roots() -> list[Path]:
