@@ -37,8 +37,8 @@ sonic backends with sonic.routing.plan.
   TFLOPS       6TKnd fwd, 12TKnd bwd, 18TKnd fwd+bwd
   held         torch.cuda.memory_allocated after the forward minus before, less the output
 
-Here the official layer runs in-process only on --official-configs (default 7B); other rows
-cite /work/shared/README.md (H100, not same-process) in a separate column.
+Here the official layer runs in-process only on --official-configs (default 7B); other rows cite
+its H100 numbers (bench/moe_configs.py OFFICIAL_H100, not the same process) in a separate column.
 
 Run:   python -m bench.moe_layer --block [--configs 7B,30B] [--backends cute,triton] [--no-official]
            [--budget-s 540 --resume --json PATH]
@@ -61,29 +61,10 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import bench_ms, gpu_name, interleaved_ms, rel_err, result_path, table, write_json
+from bench.moe_configs import CONFIGS, OFFICIAL_H100, TABLE_9B_NAMES, select_configs
 from sonic.kernels import BACKENDS, reference
 from sonic.routing.plan import plan_from_topk
 
-CONFIGS = {  # name: (T, d, n, E, K); the first twelve are Table 9b (PAPER.md), then two real models
-    "1.4B": (40960, 768, 256, 128, 8),
-    "1.4B-E64": (40960, 768, 512, 64, 4),
-    "1.4B-E32": (40960, 768, 1024, 32, 2),
-    "7B": (24576, 1536, 256, 128, 8),
-    "7B-E64": (24576, 1536, 512, 64, 4),
-    "7B-E32": (24576, 1536, 1024, 32, 2),
-    "30B-E256": (32768, 4096, 256, 256, 16),
-    "30B": (32768, 4096, 512, 128, 8),
-    "30B-E64": (32768, 4096, 1024, 64, 4),
-    "120B-E256": (32768, 4096, 512, 256, 16),
-    "120B": (32768, 4096, 1024, 128, 8),
-    "120B-E64": (32768, 4096, 2048, 64, 4),
-    "OLMoE": (32768, 2048, 1024, 64, 8),
-    "Qwen3-Next": (32768, 2048, 512, 512, 10),
-}
-TABLE_9B = list(CONFIGS)[:12]
-# official sonic-moe on an H100, from /work/shared/README.md (not same-process): fwd, bwd, f+b TF
-OFFICIAL_README = {"1.4B": (239, 385, 320), "7B": (237, 491, 361), "30B": (521, 460, 479),
-                   "OLMoE": (584, 566, 572), "Qwen3-Next": (408, 336, 357), "120B": (567, 564, 565)}
 SPARSE = dict(T=16384, d=1536, n=256, K=8, Es=(64, 128, 256, 512), tile=128)
 
 
@@ -287,13 +268,13 @@ def run_config(name, shape, backends, official, run_official, args) -> dict:
     return result
 
 
-def sparse_sweep(backends, args) -> list[dict]:
+def sparse_sweep(backends, sweep: dict, args) -> list[dict]:
     """Experts-only kernel time, top-K plan vs token-rounded plan (counts multiples of 128)."""
     from sonic.routing.token_rounding import token_rounding_plan
 
-    T, d, n, K, tile = SPARSE["T"], SPARSE["d"], SPARSE["n"], SPARSE["K"], SPARSE["tile"]
+    T, d, n, K, tile = sweep["T"], sweep["d"], sweep["n"], sweep["K"], sweep["tile"]
     out = []
-    for E in SPARSE["Es"]:
+    for E in sweep["Es"]:
         p = Problem(T, d, n, E, K, seed=E, device=args.device)
         with torch.no_grad():
             logits = F.linear(p.x, p.wr).float()
@@ -324,14 +305,14 @@ def sparse_sweep(backends, args) -> list[dict]:
     return out
 
 
-def summary(results, sweep) -> str:
+def summary(results, sweep, sweep_shape: dict) -> str:
     lines = []
     rows = []
     for r in results:
         bk = r["backends"]
         off = bk.get("official", {}).get("fwdbwd_tf")
         gmm = bk.get("grouped_mm", {}).get("fwdbwd_tf")
-        cited = OFFICIAL_README.get(r["config"])
+        cited = OFFICIAL_H100.get(tuple(r["shape"]))
         for bname, rec in bk.items():
             if "error" in rec:
                 rows.append([r["config"], bname, "FAILED", "", "", "", "", "", "", rec["error"][:40]])
@@ -341,19 +322,20 @@ def summary(results, sweep) -> str:
                 r["config"], bname, f"{rec['fwd_tf']:.0f}", f"{rec['bwd_tf']:.0f}", f"{f:.0f}",
                 f"{rec['held_bytes'] / 2**20:.0f}",
                 f"{f / off:.2f}" if off else "-",
-                f"{f / cited[2]:.2f}" if cited else "-",
+                f"{f / cited['fwdbwd']:.2f}" if cited else "-",
                 f"{f / gmm:.2f}" if gmm else "-",
                 f"{max(rec['check'].values()):.1e}" + ("" if rec["check_ok"] else " BAD"),
             ])
-    lines.append("TFLOPS (router included), held activation MiB; ratios of f+b TFLOPS. 'vs README' is the "
-                 "official H100 figure from shared/README.md (not same-process)")
-    lines.append(table(rows, ["config", "backend", "fwd", "bwd", "f+b", "held", "vs official", "vs README",
+    lines.append("TFLOPS (router included), held activation MiB; ratios of f+b TFLOPS. 'vs cited' is the "
+                 "official layer's H100 figure (bench/moe_configs.py OFFICIAL_H100, not same-process)")
+    lines.append(table(rows, ["config", "backend", "fwd", "bwd", "f+b", "held", "vs official", "vs cited",
                               "vs grouped_mm", "max err"]))
     if sweep:
         srows = [[s["E"], s["backend"], f"{s['topk']['fwdbwd_ms']:.3f}", f"{s['rounded']['fwdbwd_ms']:.3f}",
                   f"{s['topk']['rows']}", f"{s['rounded']['rows']}", f"{s['speedup_fwd']:.2f}",
                   f"{s['speedup_bwd']:.2f}", f"{s['speedup_fwdbwd']:.2f}"] for s in sweep]
-        lines.append(f"\nsparse sweep (T, d, n, K) = ({SPARSE['T']}, {SPARSE['d']}, {SPARSE['n']}, {SPARSE['K']}), "
+        lines.append(f"\nsparse sweep (T, d, n, K) = ({sweep_shape['T']}, {sweep_shape['d']}, {sweep_shape['n']}, "
+                     f"{sweep_shape['K']}), "
                      "experts only, top-K vs token-rounded (NR-f, tile 128)")
         lines.append(table(srows, ["E", "backend", "top-K ms", "rounded ms", "rows top-K", "rows rounded",
                                    "fwd x", "bwd x", "f+b x"]))
@@ -590,12 +572,12 @@ def run_block(configs, args) -> None:
                           "triton_autotune": args.autotune})
 
     t0 = time.time()
-    for c in configs:
+    for c, shape in configs.items():
         if args.budget_s and time.time() - t0 > args.budget_s:
             print(f"[budget] {time.time() - t0:.0f}s > --budget-s {args.budget_s}: stopping before {c}; "
                   f"run again with --resume --json {path}")
             break
-        run_block_config(c, CONFIGS[c], backends, official if c in official_on else None, args, done, emit)
+        run_block_config(c, shape, backends, official if c in official_on else None, args, done, emit)
     print("\n" + block_summary(records))
     print(f"\nwrote {path}")
 
@@ -631,23 +613,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench.moe_layer needs a CUDA GPU (or --device cpu for a smoke test)")
-    for spec in args.shape:
-        CONFIGS[spec] = tuple(int(v) for v in spec.split(","))
-    if args.configs is None:
-        args.configs = "" if args.shape else ",".join(TABLE_9B if args.block else CONFIGS)
-    configs = [c for c in args.configs.split(",") if c] + list(args.shape)
-    for c in configs:
-        if c not in CONFIGS:
-            raise ValueError(f"unknown config {c!r}; choose from {', '.join(CONFIGS)}")
+    configs = select_configs(args.configs, args.shape, TABLE_9B_NAMES if args.block else list(CONFIGS))
     if args.block:
         return run_block(configs, args)
     backends = backend_names(args.backends, args.device)
     if args.autotune and "triton" in backends:
         from sonic.kernels.triton import tuning
         tuning.set_autotune(True)
+    sweep_shape = dict(SPARSE)
     if args.sweep_shape:
         v = [int(x) for x in args.sweep_shape.split(",")]
-        SPARSE.update(T=v[0], d=v[1], n=v[2], K=v[3], Es=tuple(v[4:]))
+        sweep_shape.update(T=v[0], d=v[1], n=v[2], K=v[3], Es=tuple(v[4:]))
     official, why = (None, "--no-official") if args.no_official else load_official()
     if official is None:
         print(f"[skip] official sonic-moe: {why}")
@@ -657,8 +633,9 @@ def main(argv=None):
     results, sweep = [], []
 
     def save():  # after every config, so a run cut short still leaves its numbers
-        payload = {"configs": results, "sparse_sweep": sweep, "official_readme_h100": OFFICIAL_README,
-                   "sweep_shape": [SPARSE[k] for k in ("T", "d", "n", "K")],
+        payload = {"configs": results, "sparse_sweep": sweep,
+                   "official_h100": {v["name"]: v for v in OFFICIAL_H100.values()},
+                   "sweep_shape": [sweep_shape[k] for k in ("T", "d", "n", "K")],
                    "official_unavailable": why}
         if "triton" in backends:
             from sonic.kernels.triton import tuning
@@ -667,13 +644,13 @@ def main(argv=None):
                                           for k, w, t in tuning.tune_log]
         write_json(path, payload)
 
-    for c in configs:
-        results.append(run_config(c, CONFIGS[c], backends, official, c in official_on, args))
+    for c, shape in configs.items():
+        results.append(run_config(c, shape, backends, official, c in official_on, args))
         save()
     if args.sparse_sweep:
-        sweep = sparse_sweep([b for b in args.sweep_backends.split(",") if b in backends], args)
+        sweep = sparse_sweep([b for b in args.sweep_backends.split(",") if b in backends], sweep_shape, args)
         save()
-    print("\n" + summary(results, sweep))
+    print("\n" + summary(results, sweep, sweep_shape))
     print(f"\nwrote {path}")
 
 

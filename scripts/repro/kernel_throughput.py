@@ -21,6 +21,7 @@ import argparse
 import datetime
 from pathlib import Path
 
+from bench.moe_configs import CONFIGS
 from scripts.repro import paper
 from scripts.repro.common import (DOCS, RESULTS, fmt, load_json, md_table, mid, newest, provenance, pyplot, python,
                                   rel, run, save_figure, shape_str, write_text)
@@ -31,8 +32,6 @@ SIZE_OF = {tuple(s): size for size, shapes in paper.TABLE_9B.items() for s in sh
 
 def bench_command(backends: str | None, json_path: Path, extra: list[str]) -> list[str]:
     """bench.moe_layer over the Table 9b configs: its named configs where the shape matches."""
-    from bench.moe_layer import CONFIGS  # noqa: PLC0415 - imports torch; only needed to run
-
     named = {tuple(v): k for k, v in CONFIGS.items()}
     shapes = [s for shapes in paper.TABLE_9B.values() for s in shapes]
     cmd = [python(), "-m", "bench.moe_layer", "--configs", ",".join(named[s] for s in shapes if s in named)]
