@@ -18,7 +18,7 @@
 #              step with meta-device init on every visible GPU (python -m scripts.first_step)
 #   kill_resume SIGKILL, corrupt-checkpoint and SIGUSR1 resumes of a 2-GPU job vs an uninterrupted one
 #   block      the model's MoE block (router included) vs the official sonic-moe, Table 9b configs, interleaved
-#              (python -m bench.moe_layer --block); $BLOCK_ARGS adds options (e.g. --official-configs 7B,30B --resume)
+#              (python -m bench.moe_block); $BLOCK_ARGS adds options (e.g. --official-configs 7B,30B --resume)
 #   fuzz       the fuzzed-shape kernel tests (tests/kernels/test_fuzz_shapes.py) for cute and triton
 #   ep         expert parallelism vs FSDP alone on every visible GPU: sonic_7b cut to $EP_LAYERS layers at
 #              ep=1,2 on local BPE text, then $FIRST_STEP_MODEL cut to $FIRST_STEP_LAYERS at ep=2 on the
@@ -81,7 +81,7 @@ run_stage() {
       timeout "${KILL_RESUME_S:-300}" python3 scripts/kill_resume.py --device cuda --repeat --out "$OUT/kill_resume.json" -- \
         parallel.compile=false 2>&1 | tee "$OUT/kill_resume.log" | tail -25 ;;
     block)
-      timeout "${BLOCK_S:-560}" python3 -m bench.moe_layer --block --budget-s "${BLOCK_BUDGET_S:-420}" \
+      timeout "${BLOCK_S:-560}" python3 -m bench.moe_block --budget-s "${BLOCK_BUDGET_S:-420}" \
         --json "$OUT/moe_block.json" ${BLOCK_ARGS:-} 2>&1 | tee "$OUT/moe_block.log" | tail -40 ;;
     fuzz)
       timeout "${FUZZ_S:-400}" python3 -m pytest -q -m gpu tests/kernels/test_fuzz_shapes.py 2>&1 \

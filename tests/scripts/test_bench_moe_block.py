@@ -1,12 +1,13 @@
-"""bench.moe_layer --block on CPU (its smoke mode): the training MoE block runs and its record has every field;
+"""bench.moe_block on CPU (its smoke mode): the training MoE block runs and its record has every field;
 the official layer's path runs on a stand-in with sonic-moe's interface."""
 import argparse
 import json
 import types
 
+import pytest
 import torch
 
-from bench import moe_configs, moe_layer
+from bench import moe_block, moe_configs, moe_layer
 
 REQUIRED = {"gpu": str, "config": str, "backend": str, "fwd_tflops": float, "bwd_tflops": float, "fb_tflops": float,
             "held_mib": type(None), "official_fb_tflops": type(None), "official_held_mib": type(None),
@@ -15,7 +16,7 @@ REQUIRED = {"gpu": str, "config": str, "backend": str, "fwd_tflops": float, "bwd
 
 def test_block_bench_cpu_record(tmp_path):
     out = tmp_path / "moe_block.json"
-    moe_layer.main(["--block", "--device", "cpu", "--shape", "64,32,16,4,2", "--rounds", "3", "--json", str(out)])
+    moe_block.main(["--device", "cpu", "--shape", "64,32,16,4,2", "--rounds", "3", "--json", str(out)])
     payload = json.loads(out.read_text())
     assert payload["mode"] == "block" and payload["official_unavailable"] == "--device cpu"
     [rec] = payload["records"]
@@ -35,10 +36,10 @@ def test_block_bench_cpu_record(tmp_path):
 
 def test_block_bench_resume_skips_done_records(tmp_path, capsys):
     out = tmp_path / "moe_block.json"
-    args = ["--block", "--device", "cpu", "--shape", "32,16,8,4,2", "--rounds", "1", "--json", str(out)]
-    moe_layer.main(args)
+    args = ["--device", "cpu", "--shape", "32,16,8,4,2", "--rounds", "1", "--json", str(out)]
+    moe_block.main(args)
     first = json.loads(out.read_text())["records"]
-    moe_layer.main(args + ["--resume"])
+    moe_block.main(args + ["--resume"])
     assert "already in the results" in capsys.readouterr().out
     assert json.loads(out.read_text())["records"] == first
 
@@ -71,10 +72,16 @@ def test_block_bench_official_fields_with_a_stand_in(monkeypatch):
     official = (_StandInOfficial, types.SimpleNamespace(SWIGLU="swiglu"))
     args = argparse.Namespace(device="cpu", model="sonic_7b", rounds=2, warmup=1, rep=1)
     records = []
-    moe_layer.run_block_config("tiny", (48, 32, 16, 4, 2), ["reference"], official, args, set(), records.append)
+    moe_block.run_block_config("tiny", (48, 32, 16, 4, 2), ["reference"], official, args, set(), records.append)
     [rec] = records
     assert "error" not in rec, rec.get("trace")
     assert rec["official_fb_tflops"] > 0 and rec["official_compile_s"] > 0 and rec["official_held_mib"] is None
     assert rec["ratio_fb"] == rec["fb_tflops"] / rec["official_fb_tflops"]
     assert rec["official_err_out"] < 1e-2  # same weights, same top-K + softmax routing
     assert list(rec["rounds_ms"]) == ["fwd", "official_fwd", "fb", "official_fb"]  # interleaved
+
+
+def test_moe_layer_block_points_to_the_block_module(capsys):
+    with pytest.raises(SystemExit):
+        moe_layer.main(["--block", "--device", "cpu", "--shape", "64,32,16,4,2"])
+    assert "python -m bench.moe_block" in capsys.readouterr().err
