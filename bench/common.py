@@ -5,6 +5,7 @@ Results go to bench/results/<date>-<gpu>-<what>.json together with the exact com
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import shlex
@@ -52,6 +53,22 @@ def write_json(path: Path, payload: dict) -> Path:
     if out_dir:
         Path(out_dir, path.name).write_text(path.read_text())
     return path
+
+
+def held_bytes(forward: Callable[[], object], cuda: bool) -> int | None:
+    """Bytes that forward() allocates and keeps for the backward, less its output (the first result when it
+    returns a tuple: the rest, e.g. a loss, stays alive while memory is read); None off CUDA."""
+    if not cuda:
+        return None
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    result = forward()
+    torch.cuda.synchronize()
+    out = result[0] if isinstance(result, tuple) else result
+    held = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
+    del result, out
+    return held
 
 
 def bench_ms(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] = (), warmup: int = 25,

@@ -44,7 +44,7 @@ import traceback
 
 import torch
 
-from bench.common import gpu_name, interleaved_ms, rel_err, result_path, table, write_json
+from bench.common import gpu_name, held_bytes, interleaved_ms, rel_err, result_path, table, write_json
 from bench.moe_configs import CONFIGS, TABLE_9B_NAMES, select_configs
 from bench.moe_layer import Problem, backend_names, load_official, official_layer
 from sonic.models.moe import MoE
@@ -114,17 +114,9 @@ def first_call_s(fwd_bwd, leaves, cuda: bool) -> float:
 
 
 def held_mib(forward, cuda: bool) -> float | None:
-    """MiB allocated by the forward and kept for the backward, less the output (None on CPU)."""
-    if not cuda:
-        return None
-    gc.collect()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    out_TD, loss = forward()
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - before - out_TD.numel() * out_TD.element_size()
-    del out_TD, loss
-    return held / 2**20
+    """MiB allocated by the forward (out_TD, loss) and kept for the backward, less the output (None on CPU)."""
+    held = held_bytes(forward, cuda)
+    return None if held is None else held / 2**20
 
 
 def block_tflops(fwd_ms: float, fb_ms: float, unit: float, prefix: str = "") -> dict:

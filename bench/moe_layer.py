@@ -30,7 +30,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from bench.common import bench_ms, rel_err, result_path, table, write_json
+from bench.common import bench_ms, held_bytes, rel_err, result_path, table, write_json
 from bench.moe_configs import CONFIGS, OFFICIAL_H100, select_configs
 from sonic.kernels import BACKENDS, reference
 from sonic.routing.plan import plan_from_topk
@@ -127,17 +127,8 @@ def check_official(moe, p: Problem, ref) -> dict:
     return res
 
 
-def held_bytes(layer) -> int:
-    if not torch.cuda.is_available():
-        return 0
-    gc.collect()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    out = layer()
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
-    del out
-    return held
+def mib(held: int | None) -> str:
+    return "-" if held is None else f"{held / 2**20:.0f}"
 
 
 def time_layer(layer, leaves, dout, warmup, rep) -> dict:
@@ -219,7 +210,7 @@ def run_config(name, shape, backends, official, run_official, args) -> dict:
             rec["first_call_s"] = time.time() - t0
             rec.update(time_layer(layer, leaves, p.dout, args.warmup, args.rep))
             rec.update(tflops(shape, rec))
-            rec["held_bytes"] = held_bytes(layer)
+            rec["held_bytes"] = held_bytes(layer, p.device.type == "cuda")
             if args.profile and bname == "triton":
                 rec["profile"] = profile_triton(layer, leaves, p.dout)
             for t in leaves:
@@ -227,7 +218,7 @@ def run_config(name, shape, backends, official, run_official, args) -> dict:
             worst = max(rec["check"].values())
             rec["check_ok"] = worst <= 1e-2 or (kind == "official" and worst <= 3e-2)
             print(f"{bname:>10}: f+b {rec['fwdbwd_tf']:.0f} TF  fwd {rec['fwd_tf']:.0f}  bwd {rec['bwd_tf']:.0f}"
-                  f"  held {rec['held_bytes'] / 2**20:.0f} MiB  err {worst:.1e}  (first call {rec['first_call_s']:.1f}s)",
+                  f"  held {mib(rec['held_bytes'])} MiB  err {worst:.1e}  (first call {rec['first_call_s']:.1f}s)",
                   flush=True)
         except Exception as err:  # noqa: BLE001 - one failing backend must not end the run
             rec = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]}
@@ -290,7 +281,7 @@ def summary(results, sweep, sweep_shape: dict) -> str:
             f = rec["fwdbwd_tf"]
             rows.append([
                 r["config"], bname, f"{rec['fwd_tf']:.0f}", f"{rec['bwd_tf']:.0f}", f"{f:.0f}",
-                f"{rec['held_bytes'] / 2**20:.0f}",
+                mib(rec["held_bytes"]),
                 f"{f / off:.2f}" if off else "-",
                 f"{f / cited['fwdbwd']:.2f}" if cited else "-",
                 f"{f / gmm:.2f}" if gmm else "-",
