@@ -9,10 +9,14 @@ process on the same x, dO and weights, its do_bench repetitions interleaved with
 round (bench.common.interleaved_ms). One record per (gpu, config, backend) goes to
 bench/results/<date>-<gpu>-moe_block.json:
 
+  rounds_ms           per timed callable (fwd, official_fwd, fb, official_fb), its ms in each round
   fwd/bwd/fb_tflops   6TKnd, 12TKnd, 18TKnd over median ms (bwd = fb - fwd)
   held_mib            memory_allocated after the forward minus before, less the output (null on CPU)
   official_*          the same for the official layer; null where it did not run
-  ratio_fb            fb_tflops / official_fb_tflops
+  ratio_fwd/bwd/fb    Sonic over official: the official layer's median ms over ours (above 1, Sonic is
+                      faster); bwd from each side's f+b minus fwd
+  best_ratio_*        the same from each side's best round (its lowest fwd and f+b ms), as the official
+                      layer's f+b varies up to 2x between rounds
   compile_s           wall seconds of the backend's first fwd+bwd on the shape: compilation
                       included unless the triton / cute (SONIC_CUTE_CACHE_DIR) disk caches hold it
   check               relative error of O, dX, dW1, dW2 and the router's dW vs the same block on
@@ -22,8 +26,11 @@ bench/results/<date>-<gpu>-moe_block.json:
 The official layer compiles and autotunes for 90-520 s per shape on its first call, so the
 twelve configs with it do not fit one 10-minute call: --budget-s stops before the next config
 once that many seconds have passed, and --resume keeps the records already in --json and runs
-only the missing (gpu, config, backend) ones. `--device cpu` smoke-tests the path with the
-reference backend and no official layer (numbers meaningless).
+only the missing (gpu, config, backend) ones. With QUACK_CACHE_DIR set and QUACK_CACHE_AUTOTUNING=1
+the official layer keeps its autotune results there and a later run on the same GPU kind reuses
+them (bench/gpu.sh's block stage sets both; the payload's official_autotune_cache names the folder).
+Iterate on one or two configs; run all twelve for the final table. `--device cpu` smoke-tests the
+path with the reference backend and no official layer (numbers meaningless).
 
 The bare expert layer (a diagnostic: the kernels alone) is bench/moe_layer.py.
 
@@ -38,6 +45,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import time
 import traceback
@@ -50,8 +58,9 @@ from bench.moe_layer import Problem, backend_names, load_official, official_laye
 from sonic.models.moe import MoE
 from sonic.models.presets import load_preset
 
+RATIO_FIELDS = tuple(f"{stat}ratio_{phase}" for stat in ("", "best_") for phase in ("fwd", "bwd", "fb"))
 BLOCK_FIELDS = ("gpu", "config", "backend", "fwd_tflops", "bwd_tflops", "fb_tflops", "held_mib",
-                "official_fb_tflops", "official_held_mib", "ratio_fb", "compile_s")
+                "official_fb_tflops", "official_held_mib", *RATIO_FIELDS, "compile_s")
 
 
 def block_moe_config(model: str, shape, backend: str):
@@ -125,6 +134,19 @@ def block_tflops(fwd_ms: float, fb_ms: float, unit: float, prefix: str = "") -> 
     return {f"{prefix}fwd_ms": fwd_ms, f"{prefix}fb_ms": fb_ms, f"{prefix}bwd_ms": bwd_ms,
             f"{prefix}fwd_tflops": 6 * unit / fwd_ms, f"{prefix}fb_tflops": 18 * unit / fb_ms,
             f"{prefix}bwd_tflops": 12 * unit / bwd_ms if bwd_ms > 0 else None}
+
+
+def ratios(times: dict[str, list[float]]) -> dict:
+    """RATIO_FIELDS from interleaved rounds: official ms over Sonic ms for fwd, bwd (f+b minus fwd) and f+b,
+    from the medians and from each side's best round; None where a bwd is not > 0 (noise on tiny shapes)."""
+    out = {}
+    for stat, pick in (("", statistics.median), ("best_", min)):
+        fwd, fb = pick(times["fwd"]), pick(times["fb"])
+        off_fwd, off_fb = pick(times["official_fwd"]), pick(times["official_fb"])
+        for phase, sonic_ms, official_ms in (("fwd", fwd, off_fwd), ("bwd", fb - fwd, off_fb - off_fwd),
+                                             ("fb", fb, off_fb)):
+            out[f"{stat}ratio_{phase}"] = official_ms / sonic_ms if sonic_ms > 0 and official_ms > 0 else None
+    return out
 
 
 def setup_official(official, p: Problem, aux_coef: float, cuda: bool) -> dict:
@@ -205,11 +227,12 @@ def run_block_config(name, shape, backends, official, args, done, emit) -> None:
             if off is not None:
                 rec.update(block_tflops(med["official_fwd"], med["official_fb"], unit, "official_"))
                 rec.update(official_held_mib=off["held_mib"], official_compile_s=off["compile_s"],
-                           official_err_out=rel_err(off["out"], ref["out"]),
-                           ratio_fb=rec["fb_tflops"] / rec["official_fb_tflops"])
+                           official_err_out=rel_err(off["out"], ref["out"]), **ratios(times))
             for t in leaves:
                 t.grad = None
-            vs = f"official f+b {rec['official_fb_tflops']:.3g}, ratio {rec['ratio_fb']:.2f}" if off else "no official"
+            vs = (f"official f+b {rec['official_fb_tflops']:.3g}; Sonic/official median (best round): "
+                  + ", ".join(f"{phase} {ratio_pair(rec, phase)}" for phase in ("f+b", "fwd", "bwd"))) \
+                if off else "no official"
             print(f"{backend:>10}: f+b {rec['fb_tflops']:.3g} TF  fwd {rec['fwd_tflops']:.3g}  {vs}  "
                   f"err {rec['max_err']:.1e}  (first call {rec['compile_s']:.1f}s)", flush=True)
         except Exception as err:  # noqa: BLE001 - one failing backend must not end the run
@@ -222,21 +245,30 @@ def run_block_config(name, shape, backends, official, args, done, emit) -> None:
         emit(rec)
 
 
+def fmt(value, spec=".3g") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def ratio_pair(rec: dict, phase: str) -> str:
+    """'median (best round)' of one phase's ratio, e.g. '0.80 (0.85)'."""
+    key = "fb" if phase == "f+b" else phase
+    return f"{fmt(rec.get(f'ratio_{key}'), '.2f')} ({fmt(rec.get(f'best_ratio_{key}'), '.2f')})"
+
+
 def block_summary(records) -> str:
-    f = lambda v, spec=".3g": "-" if v is None else format(v, spec)  # noqa: E731
     rows = []
     for r in records:
         if r.get("error"):
-            rows.append([r["config"], r["backend"], "FAILED", "", "", "", "", "", "", "", r["error"][:40]])
+            rows.append([r["config"], r["backend"], "FAILED", "", "", "", "", "", "", "", "", "", r["error"][:40]])
             continue
-        rows.append([r["config"], r["backend"], f(r["fwd_tflops"]), f(r["bwd_tflops"]), f(r["fb_tflops"]),
-                     f(r["held_mib"], ".0f"), f(r["official_fb_tflops"]), f(r["official_held_mib"], ".0f"),
-                     f(r["ratio_fb"], ".2f"),
-                     f(r["compile_s"], ".1f"), f(r["max_err"], ".1e") + ("" if r["check_ok"] else " BAD")])
+        rows.append([r["config"], r["backend"], fmt(r["fwd_tflops"]), fmt(r["bwd_tflops"]), fmt(r["fb_tflops"]),
+                     fmt(r["held_mib"], ".0f"), fmt(r["official_fb_tflops"]), fmt(r["official_held_mib"], ".0f"),
+                     ratio_pair(r, "f+b"), ratio_pair(r, "fwd"), ratio_pair(r, "bwd"),
+                     fmt(r["compile_s"], ".1f"), fmt(r["max_err"], ".1e") + ("" if r["check_ok"] else " BAD")])
     return ("MoE block (router + routing + experts + combine, as trained): TFLOPS, held MiB; official = "
-            "sonic-moe in this process, interleaved\n"
+            "sonic-moe in this process, interleaved; x = Sonic over official, median (best round)\n"
             + table(rows, ["config", "backend", "fwd", "bwd", "f+b", "held", "official f+b", "official held",
-                           "ratio f+b", "compile s", "max err"]))
+                           "x f+b", "x fwd", "x bwd", "compile s", "max err"]))
 
 
 def run_block(configs, args) -> None:
@@ -257,13 +289,15 @@ def run_block(configs, args) -> None:
         records = [r for r in json.loads(path.read_text()).get("records", []) if not r.get("error")]
         print(f"[resume] {len(records)} records from {path}")
     done = {(r["gpu"], r["config"], r["backend"]) for r in records}
+    # where the official layer keeps (and finds) its autotune results; None: it tunes afresh every run
+    autotune_cache = os.environ.get("QUACK_CACHE_DIR") if os.environ.get("QUACK_CACHE_AUTOTUNING") == "1" else None
 
     def emit(rec):  # saved after every record, so a run cut short keeps its numbers
         records[:] = [r for r in records if (r["gpu"], r["config"], r["backend"]) != (rec["gpu"], rec["config"],
                                                                                        rec["backend"])] + [rec]
         write_json(path, {"mode": "block", "model": args.model, "records": records, "official_unavailable": why,
                           "rounds": args.rounds, "warmup_ms": args.warmup, "rep_ms": args.rep,
-                          "triton_autotune": args.autotune})
+                          "triton_autotune": args.autotune, "official_autotune_cache": autotune_cache})
 
     t0 = time.time()
     for c, shape in configs.items():
@@ -286,7 +320,7 @@ def main(argv=None):
                     help="configs on which to run the official layer in-process (default: all)")
     ap.add_argument("--no-official", action="store_true")
     ap.add_argument("--model", default="sonic_7b", help="preset whose MoE config (routing) the block uses")
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each a do_bench per layer)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (each a do_bench per layer)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no config after this many seconds")
     ap.add_argument("--resume", action="store_true", help="keep the records in --json, run the missing ones")
     ap.add_argument("--autotune", action="store_true", help="tune the triton backend's tile configs once per shape class")
@@ -297,6 +331,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script (timings meaningless)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: time at least one round (7 or more for a table)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench.moe_block needs a CUDA GPU (or --device cpu for a smoke test)")
     run_block(select_configs(args.configs, args.shape, TABLE_9B_NAMES), args)
