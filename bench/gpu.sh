@@ -36,6 +36,8 @@
 #          layer tunes again on its first call per config). After a block call, unpack what it returned
 #          here (mkdir -p .quack_cache && tar -xzf <returned>/quack_cache-h100.tar.gz -C .quack_cache)
 #          and carry .quack_cache in the later calls: the tuning is then paid once per GPU kind
+# The machine's copy has no .git: name the commit for the result files (bench.common.write_json records it)
+#   SONIC_COMMIT=<git rev-parse --short HEAD, run here> bash bench/gpu.sh STAGE
 set -uo pipefail
 export PYTHONUNBUFFERED=1 SONIC_CUTE_CACHE_DIR=/root/.cache/sonic/cute
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast here
