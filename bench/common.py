@@ -93,9 +93,6 @@ def bench_ms(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] = ()
              rep: int = 100) -> float:
     """Median milliseconds of fn() on the GPU (triton.testing.do_bench: events, L2 flushed)."""
     if not torch.cuda.is_available():  # CPU smoke runs only: a few host-timed calls
-        import statistics
-        import time
-
         times = []
         for _ in range(3):
             for t in grad_to_none:

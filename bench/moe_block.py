@@ -53,8 +53,8 @@ import traceback
 import torch
 
 from bench.common import gpu_name, held_bytes, interleaved_ms, rel_err, result_path, table, write_json
-from bench.moe_configs import CONFIGS, TABLE_9B_NAMES, select_configs
-from bench.moe_layer import Problem, backend_names, load_official, official_layer
+from bench.moe_configs import TABLE_9B_NAMES, select_configs
+from bench.moe_layer import Problem, add_run_options, backend_names, load_official, official_layer
 from sonic.models.moe import MoE
 from sonic.models.presets import load_preset
 
@@ -312,24 +312,11 @@ def run_block(configs, args) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default=None,
-                    help=f"comma list of {', '.join(CONFIGS)} (default: Table 9b's twelve; none when --shape is given)")
-    ap.add_argument("--backends", default=None,
-                    help="comma list of registered backends (default: cute,triton on a GPU, reference on the CPU)")
-    ap.add_argument("--official-configs", default=None,
-                    help="configs on which to run the official layer in-process (default: all)")
-    ap.add_argument("--no-official", action="store_true")
+    add_run_options(ap, "Table 9b's twelve", "cute,triton on a GPU, reference on the CPU", "all")
     ap.add_argument("--model", default="sonic_7b", help="preset whose MoE config (routing) the block uses")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (each a do_bench per layer)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no config after this many seconds")
     ap.add_argument("--resume", action="store_true", help="keep the records in --json, run the missing ones")
-    ap.add_argument("--autotune", action="store_true", help="tune the triton backend's tile configs once per shape class")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
-    ap.add_argument("--shape", action="append", default=[], metavar="T,d,n,E,K",
-                    help="an extra config (repeatable), named by its tuple")
-    ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script (timings meaningless)")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: time at least one round (7 or more for a table)")

@@ -303,27 +303,32 @@ def summary(results, sweep, sweep_shape: dict) -> str:
     return "\n".join(lines)
 
 
+def add_run_options(ap: argparse.ArgumentParser, configs: str, backends: str, official: str) -> None:
+    """The options both MoE benchmarks take (the layer's and bench.moe_block's); the strings name their defaults."""
+    ap.add_argument("--configs", default=None,
+                    help=f"comma list of {', '.join(CONFIGS)} (default: {configs}; none when --shape is given)")
+    ap.add_argument("--shape", action="append", default=[], metavar="T,d,n,E,K",
+                    help="an extra config (repeatable), named by its tuple")
+    ap.add_argument("--backends", default=None, help=f"comma list of registered backends (default: {backends})")
+    ap.add_argument("--official-configs", default=None,
+                    help=f"configs on which to run the official layer in-process (default: {official})")
+    ap.add_argument("--no-official", action="store_true")
+    ap.add_argument("--autotune", action="store_true", help="tune the triton backend's tile configs once per shape class")
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
+    ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script (timings meaningless)")
+    ap.add_argument("--json", default=None)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--block", action="store_true", help=argparse.SUPPRESS)  # moved: bench.moe_block
-    ap.add_argument("--configs", default=None,
-                    help=f"comma list of {', '.join(CONFIGS)} (default: all; none when --shape is given)")
-    ap.add_argument("--backends", default=None, help="comma list of registered backends (default: all that run here)")
-    ap.add_argument("--official-configs", default=None,
-                    help="configs on which to run the official layer in-process (default: 7B)")
-    ap.add_argument("--no-official", action="store_true")
+    add_run_options(ap, "all", "all that run here", "7B")
     ap.add_argument("--sparse-sweep", action="store_true", help="token rounding vs top-K kernel time, E 64..512")
     ap.add_argument("--sweep-backends", default="triton,grouped_mm")
     ap.add_argument("--sweep-shape", default=None, metavar="T,d,n,K,E1,E2,..",
                     help=f"override the sweep (default {SPARSE})")
-    ap.add_argument("--autotune", action="store_true", help="tune the triton backend's tile configs once per shape class")
     ap.add_argument("--profile", action="store_true", help="per-kernel times of the triton backend")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
-    ap.add_argument("--shape", action="append", default=[], metavar="T,d,n,E,K",
-                    help="an extra config (repeatable), named by its tuple")
-    ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script (timings meaningless)")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.block:
         ap.error("the block benchmark is its own module now: python -m bench.moe_block (same options)")

@@ -176,7 +176,7 @@ def plot(payload: dict, path: Path, name: str) -> None:
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8,
                bbox_to_anchor=(0.5, -0.03))
     fig.suptitle(f"MoE layer TFLOPS, router included; {payload.get('device', '?')} ({name}); hatched: official "
-                 "sonic-moe on an H100 (shared/README.md)", fontsize=10)
+                 "sonic-moe on an H100 (bench/moe_configs.py)", fontsize=10)
     fig.tight_layout(rect=(0, 0.03, 1, 0.97))
     save_figure(fig, path)
 
