@@ -1,4 +1,5 @@
-"""Tokenise a corpus once, in parallel, into memory-mapped shards that `source: shards` reads.
+"""Tokenise a corpus once, in parallel, into memory-mapped shards that `source: shards` reads
+(`ensure_shards`: the local text corpus's, built once per tokenizer and cached, for `source: local_text`).
 
     python -m sonic.data.prepare OUT_DIR --config configs/data/fineweb_edu.yaml [--procs 16] \
         [--shard-tokens 100000000] [--max-docs N] [key=value ...]
