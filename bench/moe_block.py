@@ -15,8 +15,8 @@ bench/results/<date>-<gpu>-moe_block.json:
   official_*          the same for the official layer; null where it did not run
   ratio_fwd/bwd/fb    Sonic over official: the official layer's median ms over ours (above 1, Sonic is
                       faster); bwd from each side's f+b minus fwd
-  best_ratio_*        the same from each side's best round (its lowest fwd and f+b ms), as the official
-                      layer's f+b varies up to 2x between rounds
+  best_ratio_*        the same from each side's best round (its lowest fwd and f+b ms): the official
+                      layer's f+b moves a lot between rounds, so one statistic alone misleads
   compile_s           wall seconds of the backend's first fwd+bwd on the shape: compilation
                       included unless the triton / cute (SONIC_CUTE_CACHE_DIR) disk caches hold it
   check               relative error of O, dX, dW1, dW2 and the router's dW vs the same block on
