@@ -1,14 +1,16 @@
 """Shared benchmark helpers: GPU naming, timing, tables and result files.
 
-Results go to bench/results/<date>-<gpu>-<what>.json together with the exact command.
+Results go to bench/results/<date>-<gpu>-<what>.json together with the exact command and the commit.
 """
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,7 +18,8 @@ from typing import Callable, Sequence
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
 
 
 def gpu_name() -> str:
@@ -42,25 +45,54 @@ def result_path(what: str, explicit: str | None = None) -> Path:
     return RESULTS / f"{datetime.date.today().isoformat()}-{gpu_name()}-{what}.json"
 
 
+def git_commit() -> str:
+    """The commit this tree is: git's short HEAD where this checkout is a git repository; else $SONIC_COMMIT
+    (the GPU machine gets a copy of the working tree without .git); else "unknown"."""
+    try:
+        proc = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=REPO,
+                              capture_output=True, text=True)
+        top, head = proc.stdout.split() if proc.returncode == 0 else ("", "")
+    except (OSError, ValueError):  # no git here, or not the two lines asked for
+        top, head = "", ""
+    if top and Path(top).resolve() == REPO:  # not the commit of some repository around a copy
+        return head
+    return os.environ.get("SONIC_COMMIT") or "unknown"
+
+
 def write_json(path: Path, payload: dict) -> Path:
+    """Writes payload with the command, date, commit (payload's own wins), device and torch, and copies it to
+    $OUT when there is one (the GPU machine's return folder)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"command": command_line(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "commit": git_commit(), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__, **payload}
     path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    out_dir = os.environ.get("OUT")  # the GPU machine's return folder, when there is one
+    out_dir = os.environ.get("OUT")
     if out_dir:
         Path(out_dir, path.name).write_text(path.read_text())
     return path
+
+
+def held_bytes(forward: Callable[[], object], cuda: bool) -> int | None:
+    """Bytes that forward() allocates and keeps for the backward, less its output (the first result when it
+    returns a tuple: the rest, e.g. a loss, stays alive while memory is read); None off CUDA."""
+    if not cuda:
+        return None
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    result = forward()
+    torch.cuda.synchronize()
+    out = result[0] if isinstance(result, tuple) else result
+    held = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
+    del result, out
+    return held
 
 
 def bench_ms(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] = (), warmup: int = 25,
              rep: int = 100) -> float:
     """Median milliseconds of fn() on the GPU (triton.testing.do_bench: events, L2 flushed)."""
     if not torch.cuda.is_available():  # CPU smoke runs only: a few host-timed calls
-        import statistics
-        import time
-
         times = []
         for _ in range(3):
             for t in grad_to_none:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from bench.moe_layer import CONFIGS
+from bench.moe_configs import CONFIGS
 from sonic.kernels.cute.selfcheck import wait_or_exit
 
-SHAPES = {  # T, D, N, E, K: bench.moe_layer's paper configs under this script's --shape names
+SHAPES = {  # T, D, N, E, K: bench/moe_configs.py's configs under this script's --shape names
     "7b": CONFIGS["7B"], "7b-n512": CONFIGS["7B-E64"], "1.4b": CONFIGS["1.4B"], "30b": CONFIGS["30B"],
     "olmoe": CONFIGS["OLMoE"], "small": (4096, 512, 256, 16, 4),
 }

@@ -99,7 +99,9 @@ def run_ep(base_overrides: list[str], ep: int, args) -> dict:
     row = {"ep": ep, "step_ms": step_ms, "tokens_per_s_per_gpu": tokens / step_ms * 1e3,
            "mfu": tokens / step_ms * 1e3 * flops_per_token(cfg.model, t.seq_len) / peak if peak else None,
            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-           "held_mib": held_mib, "first_step_s": first_s, "worst_load_max_over_mean": (load_LE.max(1).values / load_LE.mean(1)).max().item(),
+           "held_mib": held_mib, "first_step_s": first_s,
+           "worst_load_max_over_mean": (load_LE.max(1).values / load_LE.mean(1)).max().item(),
+           "expert_load": load_LE.long().tolist(),  # per MoE layer, routed rows per expert over all ranks, last step
            **profile}
     model = optimizer = None
     gc.collect()

@@ -165,7 +165,8 @@ def run_lever(lever: Lever, args, info: DistInfo | None, device: torch.device) -
            "documents": lever.documents, "step_ms": step_ms, "tokens_per_s": tps,
            "mfu": tps * flops_per_token(cfg, S) / peak if peak else None, "first_step_s": first_s,
            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-           "max_load_over_mean": max(loads) if loads else None}
+           "max_load_over_mean": max(loads) if loads else None,
+           "expert_load": [c.tolist() for c in routed]}  # per MoE layer, routed rows per expert, last step
     if lever.name == args.profile:
         row["profile"] = row_profile
     step = model = optimizer = None  # free the GPU memory before the next lever

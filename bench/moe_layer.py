@@ -1,35 +1,12 @@
-"""MoE layer benchmark: the training MoE block (--block) or the bare expert layer, vs the official sonic-moe.
+"""MoE layer benchmark (a diagnostic: the expert kernels alone), vs the official sonic-moe.
 
---block (the main table: Table 9b's twelve configs by default). Per config, the block users run:
-`sonic.models.moe.MoE(d, MoEConfig)` with the --model preset's MoE config (its routing included)
-at the config's (n, E, K) and no shared expert; bf16 parameters (as FSDP hands them to the
-forward) under bf16 autocast: router GEMM, routing and plan, the backend's experts, combine; the
-backward includes the router loss. The official layer (router included) runs in the same
-process on the same x, dO and weights, its do_bench repetitions interleaved with ours round by
-round (bench.common.interleaved_ms). One record per (gpu, config, backend) goes to
-bench/results/<date>-<gpu>-moe_block.json:
+The main table, the block the model trains (router, routing, experts, combine) against the official
+layer interleaved, is bench/moe_block.py.
 
-  fwd/bwd/fb_tflops   6TKnd, 12TKnd, 18TKnd over median ms (bwd = fb - fwd)
-  held_mib            memory_allocated after the forward minus before, less the output (null on CPU)
-  official_*          the same for the official layer; null where it did not run
-  ratio_fb            fb_tflops / official_fb_tflops
-  compile_s           wall seconds of the backend's first fwd+bwd on the shape: compilation
-                      included unless the triton / cute (SONIC_CUTE_CACHE_DIR) disk caches hold it
-  check               relative error of O, dX, dW1, dW2 and the router's dW vs the same block on
-                      the reference backend (same bf16 weights, same routing); official_err_out
-                      is the official output's
-
-The official layer compiles and autotunes for 90-520 s per shape on its first call, so the
-twelve configs with it do not fit one 10-minute call: --budget-s stops before the next config
-once that many seconds have passed, and --resume keeps the records already in --json and runs
-only the missing (gpu, config, backend) ones. `--device cpu` smoke-tests the path with the
-reference backend and no official layer (numbers meaningless).
-
-Without --block (diagnostic: the expert kernels alone). Per (T, d, n, E, K): one set of bf16
-inputs (x, router weight, W1, W2, dO); per backend the timed layer is router logits (bf16
-F.linear) + top-K + softmax over the picks + plan + experts, i.e. router included, like the
-paper. The triton backend routes with its own kernels (sonic.kernels.triton.routing); the other
-sonic backends with sonic.routing.plan.
+Per (T, d, n, E, K): one set of bf16 inputs (x, router weight, W1, W2, dO); per backend the timed
+layer is router logits (bf16 F.linear) + top-K + softmax over the picks + plan + experts, i.e.
+router included, like the paper. The triton backend routes with its own kernels
+(sonic.kernels.triton.routing); the other sonic backends with sonic.routing.plan.
 
   correctness  before timing, each backend's experts on one plan vs the fp32 reference:
                relative error of O, dX, dW1, dW2 (the official: O, dW1, dW2; its own routing)
@@ -37,53 +14,27 @@ sonic backends with sonic.routing.plan.
   TFLOPS       6TKnd fwd, 12TKnd bwd, 18TKnd fwd+bwd
   held         torch.cuda.memory_allocated after the forward minus before, less the output
 
-Here the official layer runs in-process only on --official-configs (default 7B); other rows
-cite /work/shared/README.md (H100, not same-process) in a separate column.
+Here the official layer runs in-process only on --official-configs (default 7B); other rows cite
+its H100 numbers (bench/moe_configs.py OFFICIAL_H100, not the same process) in a separate column.
 
-Run:   python -m bench.moe_layer --block [--configs 7B,30B] [--backends cute,triton] [--no-official]
-           [--budget-s 540 --resume --json PATH]
-       python -m bench.moe_layer --block --device cpu --shape 64,32,16,4,2
-       python -m bench.moe_layer [--configs 7B,30B] [--backends triton,grouped_mm]
+Run:   python -m bench.moe_layer [--configs 7B,30B] [--backends triton,grouped_mm]
            [--official-configs 7B | --no-official] [--sparse-sweep] [--autotune] [--profile]
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import gc
-import json
-import statistics
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import bench_ms, gpu_name, interleaved_ms, rel_err, result_path, table, write_json
+from bench.common import bench_ms, held_bytes, rel_err, result_path, table, write_json
+from bench.moe_configs import CONFIGS, OFFICIAL_H100, select_configs
 from sonic.kernels import BACKENDS, reference
 from sonic.routing.plan import plan_from_topk
 
-CONFIGS = {  # name: (T, d, n, E, K); the first twelve are Table 9b (PAPER.md), then two real models
-    "1.4B": (40960, 768, 256, 128, 8),
-    "1.4B-E64": (40960, 768, 512, 64, 4),
-    "1.4B-E32": (40960, 768, 1024, 32, 2),
-    "7B": (24576, 1536, 256, 128, 8),
-    "7B-E64": (24576, 1536, 512, 64, 4),
-    "7B-E32": (24576, 1536, 1024, 32, 2),
-    "30B-E256": (32768, 4096, 256, 256, 16),
-    "30B": (32768, 4096, 512, 128, 8),
-    "30B-E64": (32768, 4096, 1024, 64, 4),
-    "120B-E256": (32768, 4096, 512, 256, 16),
-    "120B": (32768, 4096, 1024, 128, 8),
-    "120B-E64": (32768, 4096, 2048, 64, 4),
-    "OLMoE": (32768, 2048, 1024, 64, 8),
-    "Qwen3-Next": (32768, 2048, 512, 512, 10),
-}
-TABLE_9B = list(CONFIGS)[:12]
-# official sonic-moe on an H100, from /work/shared/README.md (not same-process): fwd, bwd, f+b TF
-OFFICIAL_README = {"1.4B": (239, 385, 320), "7B": (237, 491, 361), "30B": (521, 460, 479),
-                   "OLMoE": (584, 566, 572), "Qwen3-Next": (408, 336, 357), "120B": (567, 564, 565)}
 SPARSE = dict(T=16384, d=1536, n=256, K=8, Es=(64, 128, 256, 512), tile=128)
 
 
@@ -177,17 +128,8 @@ def check_official(moe, p: Problem, ref) -> dict:
     return res
 
 
-def held_bytes(layer) -> int:
-    if not torch.cuda.is_available():
-        return 0
-    gc.collect()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    out = layer()
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
-    del out
-    return held
+def mib(held: int | None) -> str:
+    return "-" if held is None else f"{held / 2**20:.0f}"
 
 
 def time_layer(layer, leaves, dout, warmup, rep) -> dict:
@@ -269,7 +211,7 @@ def run_config(name, shape, backends, official, run_official, args) -> dict:
             rec["first_call_s"] = time.time() - t0
             rec.update(time_layer(layer, leaves, p.dout, args.warmup, args.rep))
             rec.update(tflops(shape, rec))
-            rec["held_bytes"] = held_bytes(layer)
+            rec["held_bytes"] = held_bytes(layer, p.device.type == "cuda")
             if args.profile and bname == "triton":
                 rec["profile"] = profile_triton(layer, leaves, p.dout)
             for t in leaves:
@@ -277,7 +219,7 @@ def run_config(name, shape, backends, official, run_official, args) -> dict:
             worst = max(rec["check"].values())
             rec["check_ok"] = worst <= 1e-2 or (kind == "official" and worst <= 3e-2)
             print(f"{bname:>10}: f+b {rec['fwdbwd_tf']:.0f} TF  fwd {rec['fwd_tf']:.0f}  bwd {rec['bwd_tf']:.0f}"
-                  f"  held {rec['held_bytes'] / 2**20:.0f} MiB  err {worst:.1e}  (first call {rec['first_call_s']:.1f}s)",
+                  f"  held {mib(rec['held_bytes'])} MiB  err {worst:.1e}  (first call {rec['first_call_s']:.1f}s)",
                   flush=True)
         except Exception as err:  # noqa: BLE001 - one failing backend must not end the run
             rec = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]}
@@ -288,13 +230,13 @@ def run_config(name, shape, backends, official, run_official, args) -> dict:
     return result
 
 
-def sparse_sweep(backends, args) -> list[dict]:
+def sparse_sweep(backends, sweep: dict, args) -> list[dict]:
     """Experts-only kernel time, top-K plan vs token-rounded plan (counts multiples of 128)."""
     from sonic.routing.token_rounding import token_rounding_plan
 
-    T, d, n, K, tile = SPARSE["T"], SPARSE["d"], SPARSE["n"], SPARSE["K"], SPARSE["tile"]
+    T, d, n, K, tile = sweep["T"], sweep["d"], sweep["n"], sweep["K"], sweep["tile"]
     out = []
-    for E in SPARSE["Es"]:
+    for E in sweep["Es"]:
         p = Problem(T, d, n, E, K, seed=E, device=args.device)
         with torch.no_grad():
             logits = F.linear(p.x, p.wr).float()
@@ -325,14 +267,14 @@ def sparse_sweep(backends, args) -> list[dict]:
     return out
 
 
-def summary(results, sweep) -> str:
+def summary(results, sweep, sweep_shape: dict) -> str:
     lines = []
     rows = []
     for r in results:
         bk = r["backends"]
         off = bk.get("official", {}).get("fwdbwd_tf")
         gmm = bk.get("grouped_mm", {}).get("fwdbwd_tf")
-        cited = OFFICIAL_README.get(r["config"])
+        cited = OFFICIAL_H100.get(tuple(r["shape"]))
         for bname, rec in bk.items():
             if "error" in rec:
                 rows.append([r["config"], bname, "FAILED", "", "", "", "", "", "", rec["error"][:40]])
@@ -340,315 +282,68 @@ def summary(results, sweep) -> str:
             f = rec["fwdbwd_tf"]
             rows.append([
                 r["config"], bname, f"{rec['fwd_tf']:.0f}", f"{rec['bwd_tf']:.0f}", f"{f:.0f}",
-                f"{rec['held_bytes'] / 2**20:.0f}",
+                mib(rec["held_bytes"]),
                 f"{f / off:.2f}" if off else "-",
-                f"{f / cited[2]:.2f}" if cited else "-",
+                f"{f / cited['fwdbwd']:.2f}" if cited else "-",
                 f"{f / gmm:.2f}" if gmm else "-",
                 f"{max(rec['check'].values()):.1e}" + ("" if rec["check_ok"] else " BAD"),
             ])
-    lines.append("TFLOPS (router included), held activation MiB; ratios of f+b TFLOPS. 'vs README' is the "
-                 "official H100 figure from shared/README.md (not same-process)")
-    lines.append(table(rows, ["config", "backend", "fwd", "bwd", "f+b", "held", "vs official", "vs README",
+    lines.append("TFLOPS (router included), held activation MiB; ratios of f+b TFLOPS. 'vs cited' is the "
+                 "official layer's H100 figure (bench/moe_configs.py OFFICIAL_H100, not same-process)")
+    lines.append(table(rows, ["config", "backend", "fwd", "bwd", "f+b", "held", "vs official", "vs cited",
                               "vs grouped_mm", "max err"]))
     if sweep:
         srows = [[s["E"], s["backend"], f"{s['topk']['fwdbwd_ms']:.3f}", f"{s['rounded']['fwdbwd_ms']:.3f}",
                   f"{s['topk']['rows']}", f"{s['rounded']['rows']}", f"{s['speedup_fwd']:.2f}",
                   f"{s['speedup_bwd']:.2f}", f"{s['speedup_fwdbwd']:.2f}"] for s in sweep]
-        lines.append(f"\nsparse sweep (T, d, n, K) = ({SPARSE['T']}, {SPARSE['d']}, {SPARSE['n']}, {SPARSE['K']}), "
+        lines.append(f"\nsparse sweep (T, d, n, K) = ({sweep_shape['T']}, {sweep_shape['d']}, {sweep_shape['n']}, "
+                     f"{sweep_shape['K']}), "
                      "experts only, top-K vs token-rounded (NR-f, tile 128)")
         lines.append(table(srows, ["E", "backend", "top-K ms", "rounded ms", "rows top-K", "rows rounded",
                                    "fwd x", "bwd x", "f+b x"]))
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- --block: the training MoE block
-
-BLOCK_FIELDS = ("gpu", "config", "backend", "fwd_tflops", "bwd_tflops", "fb_tflops", "held_mib",
-                "official_fb_tflops", "official_held_mib", "ratio_fb", "compile_s")
-
-
-def block_moe_config(model: str, shape, backend: str):
-    """The preset's MoE config (routing included) at the shape's (n, E, K), no shared expert (Table 9b's layer)."""
-    from sonic.models.presets import load_preset  # noqa: PLC0415 - needs omegaconf; layer mode does not
-
-    _, _, n, E, K = shape
-    return dataclasses.replace(load_preset(model).moe, num_experts=E, top_k=K, expert_dim=n, shared_expert_dim=0,
-                               kernel_backend=backend)
-
-
-def sonic_block(p: Problem, cfg):
-    """sonic.models.moe.MoE on p's weights, its parameters in p's dtype (buffers stay fp32, as in training)."""
-    from sonic.models.moe import MoE  # noqa: PLC0415
-
-    with torch.device(p.device):
-        moe = MoE(p.shape[1], cfg)
-    with torch.no_grad():
-        for prm in moe.parameters():
-            prm.data = prm.data.to(p.x.dtype)
-        moe.router.weight_ED.copy_(p.wr)
-        moe.w1_EFD.copy_(p.w1)
-        moe.w2_EDN.copy_(p.w2)
-    return moe
-
-
-def block_forward(moe, x_TD, autocast: bool):
-    """forward() -> (out_TD, router loss), as the trainer calls the block (bf16 autocast on a GPU)."""
-    def forward():
-        with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            out_TD, routed = moe(x_TD)
-        return out_TD, routed.loss
-
-    return forward
-
-
-def official_forward(module, x_TD, aux_coef: float):
-    """forward() -> (out_TD, aux_coef * aux loss) of the official layer."""
-    def forward():
-        out_TD, aux = module(x_TD)
-        return out_TD, aux_coef * aux
-
-    return forward
-
-
-def step_fns(forward, dout_TD):
-    """(fwd, fwd+bwd) callables for timing; the backward takes dO and the loss's own gradient."""
-    def fwd_bwd():
-        out_TD, loss = forward()
-        torch.autograd.backward([out_TD, loss], [dout_TD, None])
-
-    return (lambda: forward()[0]), fwd_bwd
-
-
-def first_call_s(fwd_bwd, leaves, cuda: bool) -> float:
-    """Wall seconds of one fwd+bwd: on a fresh shape, mostly compilation."""
-    t0 = time.perf_counter()
-    fwd_bwd()
-    if cuda:
-        torch.cuda.synchronize()
-    for t in leaves:
-        t.grad = None
-    return time.perf_counter() - t0
-
-
-def held_mib(forward, cuda: bool) -> float | None:
-    """MiB allocated by the forward and kept for the backward, less the output (None on CPU)."""
-    if not cuda:
-        return None
-    gc.collect()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    out_TD, loss = forward()
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - before - out_TD.numel() * out_TD.element_size()
-    del out_TD, loss
-    return held / 2**20
-
-
-def block_tflops(fwd_ms: float, fb_ms: float, unit: float, prefix: str = "") -> dict:
-    """ms and TFLOPS fields from median fwd and fwd+bwd ms (bwd = their difference; None if not > 0)."""
-    bwd_ms = fb_ms - fwd_ms
-    return {f"{prefix}fwd_ms": fwd_ms, f"{prefix}fb_ms": fb_ms, f"{prefix}bwd_ms": bwd_ms,
-            f"{prefix}fwd_tflops": 6 * unit / fwd_ms, f"{prefix}fb_tflops": 18 * unit / fb_ms,
-            f"{prefix}bwd_tflops": 12 * unit / bwd_ms if bwd_ms > 0 else None}
-
-
-def setup_official(official, p: Problem, aux_coef: float, cuda: bool) -> dict:
-    """The official layer on p's weights: fwd / fb callables, leaves, first-call s, held MiB, output."""
-    _, module, leaves = official_layer(official, p)
-    forward = official_forward(module, p.x, aux_coef)
-    off = {"leaves": leaves}
-    off["fwd"], off["fb"] = step_fns(forward, p.dout)
-    off["compile_s"] = first_call_s(off["fb"], leaves, cuda)
-    off["held_mib"] = held_mib(forward, cuda)
-    with torch.no_grad():
-        off["out"] = module(p.x)[0]
-    print(f"{'official':>10}: first call {off['compile_s']:.1f}s, held {off['held_mib'] or 0:.0f} MiB", flush=True)
-    return off
-
-
-def block_grads(moe, p: Problem, autocast: bool) -> dict:
-    x_TD = p.x.detach().clone().requires_grad_()
-    moe.zero_grad(set_to_none=True)
-    out_TD, loss = block_forward(moe, x_TD, autocast)()
-    torch.autograd.backward([out_TD, loss], [p.dout, None])
-    grads = {"out": out_TD.detach(), "dx": x_TD.grad, "dw1": moe.w1_EFD.grad, "dw2": moe.w2_EDN.grad,
-             "drouter": moe.router.weight_ED.grad}
-    moe.zero_grad(set_to_none=True)
-    return grads
-
-
-def run_block_config(name, shape, backends, official, args, done, emit) -> None:
-    """Every backend's block on one config, each timed interleaved with the official layer; emit(record)."""
-    print(f"\n=== {name} (T, d, n, E, K) = {shape}  [block, {args.model} routing]", flush=True)
-    T, d, n, E, K = shape
-    unit = T * K * n * d / 1e9  # GFLOP per "TKnd"; ms -> TFLOPS is unit / ms
-    gpu = gpu_name()
-    todo = [b for b in backends if (gpu, name, b) not in done]
-    for b in set(backends) - set(todo):
-        print(f"{b:>10}: already in the results (--resume)")
-    if not todo:
-        return
-    p = Problem(*shape, device=args.device)
-    cuda = p.device.type == "cuda"
-    aux_coef = block_moe_config(args.model, shape, "reference").routing.aux_loss_coef
-    ref = None
-    off, off_err = None, None
-    if official is not None:
-        try:
-            off = setup_official(official, p, aux_coef, cuda)
-        except Exception as err:  # noqa: BLE001 - the sonic rows still run
-            off, off_err = None, f"{type(err).__name__}: {err}"
-            print(f"{'official':>10}: FAILED {off_err[:300]}", flush=True)
-    for backend in todo:
-        rec = dict.fromkeys(BLOCK_FIELDS) | {"gpu": gpu, "config": name, "backend": backend, "shape": list(shape),
-                                             "model": args.model, "official_error": off_err}
-        moe = None
-        try:
-            moe = sonic_block(p, block_moe_config(args.model, shape, backend))
-            forward = block_forward(moe, p.x, autocast=cuda)
-            fwd, fb = step_fns(forward, p.dout)
-            leaves = [p.x] + list(moe.parameters())
-            rec["compile_s"] = first_call_s(fb, leaves, cuda)
-            if ref is None:  # the reference block's output and grads, once per config
-                ref_moe = sonic_block(p, block_moe_config(args.model, shape, "reference"))
-                ref = block_grads(ref_moe, p, cuda)
-                del ref_moe
-            got = block_grads(moe, p, cuda)
-            rec["check"] = {k: rel_err(v, ref[k]) for k, v in got.items()}
-            del got
-            rec["max_err"] = max(rec["check"].values())
-            rec["check_ok"] = rec["max_err"] <= 2e-2
-            rec["held_mib"] = held_mib(forward, cuda)
-            fns, grad_leaves = {"fwd": fwd, "fb": fb}, {"fwd": leaves, "fb": leaves}
-            if off is not None:  # order within a round: ours fwd, official fwd, ours fb, official fb
-                fns = {"fwd": fwd, "official_fwd": off["fwd"], "fb": fb, "official_fb": off["fb"]}
-                grad_leaves |= {"official_fwd": off["leaves"], "official_fb": off["leaves"]}
-            times = interleaved_ms(fns, grad_leaves, args.rounds, args.warmup, args.rep)
-            med = {k: statistics.median(v) for k, v in times.items()}
-            rec["rounds_ms"] = times
-            rec.update(block_tflops(med["fwd"], med["fb"], unit))
-            if off is not None:
-                rec.update(block_tflops(med["official_fwd"], med["official_fb"], unit, "official_"))
-                rec.update(official_held_mib=off["held_mib"], official_compile_s=off["compile_s"],
-                           official_err_out=rel_err(off["out"], ref["out"]),
-                           ratio_fb=rec["fb_tflops"] / rec["official_fb_tflops"])
-            for t in leaves:
-                t.grad = None
-            vs = f"official f+b {rec['official_fb_tflops']:.3g}, ratio {rec['ratio_fb']:.2f}" if off else "no official"
-            print(f"{backend:>10}: f+b {rec['fb_tflops']:.3g} TF  fwd {rec['fwd_tflops']:.3g}  {vs}  "
-                  f"err {rec['max_err']:.1e}  (first call {rec['compile_s']:.1f}s)", flush=True)
-        except Exception as err:  # noqa: BLE001 - one failing backend must not end the run
-            rec |= {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]}
-            print(f"{backend:>10}: FAILED {rec['error'][:300]}", flush=True)
-        del moe
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        emit(rec)
-
-
-def block_summary(records) -> str:
-    f = lambda v, spec=".3g": "-" if v is None else format(v, spec)  # noqa: E731
-    rows = []
-    for r in records:
-        if r.get("error"):
-            rows.append([r["config"], r["backend"], "FAILED", "", "", "", "", "", "", "", r["error"][:40]])
-            continue
-        rows.append([r["config"], r["backend"], f(r["fwd_tflops"]), f(r["bwd_tflops"]), f(r["fb_tflops"]),
-                     f(r["held_mib"], ".0f"), f(r["official_fb_tflops"]), f(r["official_held_mib"], ".0f"),
-                     f(r["ratio_fb"], ".2f"),
-                     f(r["compile_s"], ".1f"), f(r["max_err"], ".1e") + ("" if r["check_ok"] else " BAD")])
-    return ("MoE block (router + routing + experts + combine, as trained): TFLOPS, held MiB; official = "
-            "sonic-moe in this process, interleaved\n"
-            + table(rows, ["config", "backend", "fwd", "bwd", "f+b", "held", "official f+b", "official held",
-                           "ratio f+b", "compile s", "max err"]))
-
-
-def run_block(configs, args) -> None:
-    if args.device == "cpu":
-        official, why = None, "--device cpu"
-    else:
-        official, why = (None, "--no-official") if args.no_official else load_official()
-    if official is None:
-        print(f"[skip] official sonic-moe: {why}")
-    official_on = set(configs if args.official_configs is None else args.official_configs.split(","))
-    backends = backend_names(args.backends or ("cute,triton" if args.device == "cuda" else "reference"), args.device)
-    if args.autotune and "triton" in backends:  # as SONIC_TRITON_AUTOTUNE=1 does in training
-        from sonic.kernels.triton import tuning
-        tuning.set_autotune(True)
-    path = result_path("moe_block", args.json)
-    records = []
-    if args.resume and path.exists():
-        records = [r for r in json.loads(path.read_text()).get("records", []) if not r.get("error")]
-        print(f"[resume] {len(records)} records from {path}")
-    done = {(r["gpu"], r["config"], r["backend"]) for r in records}
-
-    def emit(rec):  # saved after every record, so a run cut short keeps its numbers
-        records[:] = [r for r in records if (r["gpu"], r["config"], r["backend"]) != (rec["gpu"], rec["config"],
-                                                                                       rec["backend"])] + [rec]
-        write_json(path, {"mode": "block", "model": args.model, "records": records, "official_unavailable": why,
-                          "rounds": args.rounds, "warmup_ms": args.warmup, "rep_ms": args.rep,
-                          "triton_autotune": args.autotune})
-
-    t0 = time.time()
-    for c in configs:
-        if args.budget_s and time.time() - t0 > args.budget_s:
-            print(f"[budget] {time.time() - t0:.0f}s > --budget-s {args.budget_s}: stopping before {c}; "
-                  f"run again with --resume --json {path}")
-            break
-        run_block_config(c, CONFIGS[c], backends, official if c in official_on else None, args, done, emit)
-    print("\n" + block_summary(records))
-    print(f"\nwrote {path}")
+def add_run_options(ap: argparse.ArgumentParser, configs: str, backends: str, official: str) -> None:
+    """The options both MoE benchmarks take (the layer's and bench.moe_block's); the strings name their defaults."""
+    ap.add_argument("--configs", default=None,
+                    help=f"comma list of {', '.join(CONFIGS)} (default: {configs}; none when --shape is given)")
+    ap.add_argument("--shape", action="append", default=[], metavar="T,d,n,E,K",
+                    help="an extra config (repeatable), named by its tuple")
+    ap.add_argument("--backends", default=None, help=f"comma list of registered backends (default: {backends})")
+    ap.add_argument("--official-configs", default=None,
+                    help=f"configs on which to run the official layer in-process (default: {official})")
+    ap.add_argument("--no-official", action="store_true")
+    ap.add_argument("--autotune", action="store_true", help="tune the triton backend's tile configs once per shape class")
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
+    ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script (timings meaningless)")
+    ap.add_argument("--json", default=None)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--block", action="store_true",
-                    help="benchmark sonic.models.moe.MoE as trained, vs the official layer interleaved (the main table)")
-    ap.add_argument("--configs", default=None,
-                    help=f"comma list of {', '.join(CONFIGS)} (default: Table 9b's twelve with --block, all without; "
-                         "none when --shape is given)")
-    ap.add_argument("--backends", default=None, help="comma list of registered backends (default: --block cute,triton "
-                    "on a GPU, reference on the CPU; otherwise all that run here)")
-    ap.add_argument("--official-configs", default=None,
-                    help="configs on which to run the official layer in-process (default: all with --block, else 7B)")
-    ap.add_argument("--no-official", action="store_true")
-    ap.add_argument("--model", default="sonic_7b", help="--block: preset whose MoE config (routing) the block uses")
-    ap.add_argument("--rounds", type=int, default=5, help="--block: interleaved rounds (each a do_bench per layer)")
-    ap.add_argument("--budget-s", type=float, default=0, help="--block: start no config after this many seconds")
-    ap.add_argument("--resume", action="store_true", help="--block: keep the records in --json, run the missing ones")
+    ap.add_argument("--block", action="store_true", help=argparse.SUPPRESS)  # moved: bench.moe_block
+    add_run_options(ap, "all", "all that run here", "7B")
     ap.add_argument("--sparse-sweep", action="store_true", help="token rounding vs top-K kernel time, E 64..512")
     ap.add_argument("--sweep-backends", default="triton,grouped_mm")
     ap.add_argument("--sweep-shape", default=None, metavar="T,d,n,K,E1,E2,..",
                     help=f"override the sweep (default {SPARSE})")
-    ap.add_argument("--autotune", action="store_true", help="tune the triton backend's tile configs once per shape class")
     ap.add_argument("--profile", action="store_true", help="per-kernel times of the triton backend")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
-    ap.add_argument("--shape", action="append", default=[], metavar="T,d,n,E,K",
-                    help="an extra config (repeatable), named by its tuple")
-    ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script (timings meaningless)")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.block:
+        ap.error("the block benchmark is its own module now: python -m bench.moe_block (same options)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench.moe_layer needs a CUDA GPU (or --device cpu for a smoke test)")
-    for spec in args.shape:
-        CONFIGS[spec] = tuple(int(v) for v in spec.split(","))
-    if args.configs is None:
-        args.configs = "" if args.shape else ",".join(TABLE_9B if args.block else CONFIGS)
-    configs = [c for c in args.configs.split(",") if c] + list(args.shape)
-    for c in configs:
-        if c not in CONFIGS:
-            raise ValueError(f"unknown config {c!r}; choose from {', '.join(CONFIGS)}")
-    if args.block:
-        return run_block(configs, args)
+    configs = select_configs(args.configs, args.shape, list(CONFIGS))
     backends = backend_names(args.backends, args.device)
     if args.autotune and "triton" in backends:
         from sonic.kernels.triton import tuning
         tuning.set_autotune(True)
+    sweep_shape = dict(SPARSE)
     if args.sweep_shape:
         v = [int(x) for x in args.sweep_shape.split(",")]
-        SPARSE.update(T=v[0], d=v[1], n=v[2], K=v[3], Es=tuple(v[4:]))
+        sweep_shape.update(T=v[0], d=v[1], n=v[2], K=v[3], Es=tuple(v[4:]))
     official, why = (None, "--no-official") if args.no_official else load_official()
     if official is None:
         print(f"[skip] official sonic-moe: {why}")
@@ -658,8 +353,9 @@ def main(argv=None):
     results, sweep = [], []
 
     def save():  # after every config, so a run cut short still leaves its numbers
-        payload = {"configs": results, "sparse_sweep": sweep, "official_readme_h100": OFFICIAL_README,
-                   "sweep_shape": [SPARSE[k] for k in ("T", "d", "n", "K")],
+        payload = {"configs": results, "sparse_sweep": sweep,
+                   "official_h100": {v["name"]: v for v in OFFICIAL_H100.values()},
+                   "sweep_shape": [sweep_shape[k] for k in ("T", "d", "n", "K")],
                    "official_unavailable": why}
         if "triton" in backends:
             from sonic.kernels.triton import tuning
@@ -668,13 +364,13 @@ def main(argv=None):
                                           for k, w, t in tuning.tune_log]
         write_json(path, payload)
 
-    for c in configs:
-        results.append(run_config(c, CONFIGS[c], backends, official, c in official_on, args))
+    for c, shape in configs.items():
+        results.append(run_config(c, shape, backends, official, c in official_on, args))
         save()
     if args.sparse_sweep:
-        sweep = sparse_sweep([b for b in args.sweep_backends.split(",") if b in backends], args)
+        sweep = sparse_sweep([b for b in args.sweep_backends.split(",") if b in backends], sweep_shape, args)
         save()
-    print("\n" + summary(results, sweep))
+    print("\n" + summary(results, sweep, sweep_shape))
     print(f"\nwrote {path}")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from eval.lm import PRECISIONS
+from sonic.train.config import PRECISIONS
 
 
 @dataclass

@@ -25,7 +25,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import Tensor
 
-PRECISIONS = ("auto", "bf16", "fp32")
+from sonic.train.config import PRECISIONS  # the trainer's periodic eval passes train.precision through
 
 
 @register_model("sonic")

@@ -311,8 +311,8 @@ TABLES = (
               e2e("recipe (defaults)", E2E_40L, "triton_40L"),
               e2e("micro-batch 8, no reshard", E2E_40L_MB8, "triton_mb8_noreshard_40L"))),
     Table("official_7b", first="run", caption="The paper's 7B config (T 24576, d 1536, n 256, E 128, K 8), "
-          "forward + backward of the bare expert layer (router logits, top-K, plan, experts: `bench.moe_layer` "
-          "without `--block`, its diagnostic mode), cute and the official sonic-moe 0.1.2.post1 layer in one "
+          "forward + backward of the bare expert layer (router logits, top-K, plan, experts: `bench.moe_layer`, "
+          "the diagnostic), cute and the official sonic-moe 0.1.2.post1 layer in one "
           "process on the same inputs; one run each, the two not interleaved.", rows=(
               Row("7B alone", "bench/results/2026-11-22-h100-moe_layer-7b-final.json", LAYER_7B, "configs"),
               Row("7B alone, `--autotune`", "bench/results/2026-11-22-h200-moe_layer-7b-official.json", LAYER_7B,

@@ -29,7 +29,6 @@ import datetime
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 from scripts.repro import paper
@@ -47,11 +46,6 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     if not sep or not name or not overrides:
         raise SystemExit(f"--variant {text!r}: write NAME=OVERRIDE[,OVERRIDE...], e.g. mb8=train.micro_batch_size=8")
     return name, overrides.split(",")
-
-
-def git_commit() -> str:
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
 
 
 def flops_per_token(num_layers: int, causal: bool = False) -> float:
@@ -372,6 +366,8 @@ def main(argv=None):
     committed += sorted(RESULTS.glob("*-e2e-40L*.json"))  # the 40-layer runs and their levers
     if args.run:
         import torch  # noqa: PLC0415
+
+        from bench.common import git_commit  # noqa: PLC0415 - imports torch, as --run does
 
         nproc = args.nproc or torch.cuda.device_count()
         fresh = run_training(layers, args.backends.split(","), args.steps, args.grouped_mm_steps, nproc, args.skip_steps,

@@ -1,13 +1,12 @@
 """Figs 14-15 / Table 9b: MoE layer fwd and bwd TFLOPS per kernel backend, beside the paper.
 
 Two modes:
-  --run        (GPU) run `python -m bench.moe_layer` on the twelve Table 9b configs (named
-               configs where bench.moe_layer has them, `--shape T,d,n,E,K` otherwise), then render
+  --run        (GPU) run `python -m bench.moe_layer` on the twelve Table 9b configs, then render
   --from-json  render committed results (default: the newest bench/results/*-moe_layer.json,
                plus any further files given); no GPU needed
 
 Beside our numbers: the official sonic-moe layer where it ran in the same process (same GPU,
-same inputs), the official layer on an H100 from shared/README.md (not same-process), and the
+same inputs), the official layer on an H100 (bench/moe_configs.py, not same-process), and the
 paper's H100 claims (PAPER.md): 30B and 120B > 500 TF fwd and bwd; 7B per-kernel TFLOPS,
 which the CuTe per-kernel benchmark (bench/cute_gemm.py, --kernel-json) is set against.
 TFLOPS: 6TKnd fwd, 12TKnd bwd, 18TKnd fwd+bwd, router included (bench/moe_layer.py).
@@ -21,6 +20,7 @@ import argparse
 import datetime
 from pathlib import Path
 
+from bench.moe_configs import TABLE_9B_NAMES
 from scripts.repro import paper
 from scripts.repro.common import (DOCS, RESULTS, fmt, load_json, md_table, mid, newest, provenance, pyplot, python,
                                   rel, run, save_figure, shape_str, write_text)
@@ -30,15 +30,8 @@ SIZE_OF = {tuple(s): size for size, shapes in paper.TABLE_9B.items() for s in sh
 
 
 def bench_command(backends: str | None, json_path: Path, extra: list[str]) -> list[str]:
-    """bench.moe_layer over the Table 9b configs: its named configs where the shape matches."""
-    from bench.moe_layer import CONFIGS  # noqa: PLC0415 - imports torch; only needed to run
-
-    named = {tuple(v): k for k, v in CONFIGS.items()}
-    shapes = [s for shapes in paper.TABLE_9B.values() for s in shapes]
-    cmd = [python(), "-m", "bench.moe_layer", "--configs", ",".join(named[s] for s in shapes if s in named)]
-    for s in shapes:
-        if s not in named:
-            cmd += ["--shape", ",".join(map(str, s))]
+    """bench.moe_layer over the Table 9b configs."""
+    cmd = [python(), "-m", "bench.moe_layer", "--configs", ",".join(TABLE_9B_NAMES)]
     if backends:
         cmd += ["--backends", backends]
     return cmd + ["--json", str(json_path)] + extra
@@ -183,7 +176,7 @@ def plot(payload: dict, path: Path, name: str) -> None:
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8,
                bbox_to_anchor=(0.5, -0.03))
     fig.suptitle(f"MoE layer TFLOPS, router included; {payload.get('device', '?')} ({name}); hatched: official "
-                 "sonic-moe on an H100 (shared/README.md)", fontsize=10)
+                 "sonic-moe on an H100 (bench/moe_configs.py)", fontsize=10)
     fig.tight_layout(rect=(0, 0.03, 1, 0.97))
     save_figure(fig, path)
 

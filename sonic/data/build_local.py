@@ -16,7 +16,8 @@ from pathlib import Path
 
 from sonic.data.config import DataConfig
 from sonic.data.local_bpe import SPEC, ensure_local_bpe
-from sonic.data.local_text import ensure_corpus, ensure_shards
+from sonic.data.local_text import ensure_corpus
+from sonic.data.prepare import ensure_shards
 from sonic.data.tokenizer import DEFAULT_CACHE_DIR, build_tokenizer
 
 FACTS = ("documents", "bytes", "bytes_by_kind", "sha256", "trained_tokens", "unused_tokens", "tokenizer_sha256",

@@ -9,16 +9,12 @@ import glob
 import json
 import os
 import re
-from importlib import resources
 from typing import Iterator
+
+from sonic.data.local_text import embedded_path, ensure_corpus
 
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 _PARAGRAPH_BREAK = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")  # one or more blank lines
-
-
-def embedded_path() -> str:
-    """The corpus shipped inside the package (regenerate with `python -m sonic.data.make_corpus`)."""
-    return str(resources.files("sonic.data") / "corpus" / "embedded.txt")
 
 
 def expand(pattern: str) -> list[str]:
@@ -42,9 +38,7 @@ def components(cfg) -> list[list[str]]:
     """One file list per mixture component (per `paths` entry, or all of them as one when unweighted)."""
     if cfg.source == "embedded":
         return [[embedded_path()]]
-    if cfg.source == "local_text":
-        from sonic.data.local_text import ensure_corpus  # builds it on first use
-
+    if cfg.source == "local_text":  # built on first use
         return [[str(ensure_corpus(cfg.cache_dir)[0])]]
     assert cfg.source == "files", cfg.source
     groups = [expand(p) for p in cfg.paths]

@@ -6,7 +6,7 @@ import logging
 import numpy as np
 import torch
 
-from sonic.data import documents, local_text, shards
+from sonic.data import documents, shards
 from sonic.data.corpus import TokenCorpus, tokenize_documents
 from sonic.data.packing import Layout, make_batch
 from sonic.data.plan import TrainPlan, split_validation, val_windows
@@ -167,7 +167,11 @@ def load_corpus(cfg, tokenizer) -> TokenCorpus:
     if cfg.source == "shards":
         return shards.load(cfg.paths, tokenizer)
     if cfg.source == "local_text":  # tokenised once into cached shards, memory-mapped by every rank
-        return shards.load([str(local_text.ensure_shards(cfg, tokenizer))], tokenizer)
+        # imported here, not with the package: `python -m sonic.data.prepare` runs prepare as __main__,
+        # and runpy warns when the package has imported it already
+        from sonic.data.prepare import ensure_shards
+
+        return shards.load([str(ensure_shards(cfg, tokenizer))], tokenizer)
     n = len(documents.components(cfg)) if cfg.source != "hf" else 1
     labels = [documents.source_label(cfg, c) for c in range(n)]
     return tokenize_documents(documents.iter_documents(cfg), tokenizer, n, labels)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable
 
 from sonic.data import cache
+from sonic.data.local_text import ensure_corpus, read_jsonl_texts
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +97,6 @@ def ensure_local_bpe(vocab_size: int, cache_dir: str) -> tuple[Path, dict]:
     """(directory, manifest) of the local_bpe tokenizer with `vocab_size` tokens, trained on this machine's
     local text corpus the first time and reused after."""
     import tokenizers
-
-    from sonic.data.local_text import ensure_corpus, read_jsonl_texts
 
     corpus_path, corpus = ensure_corpus(cache_dir)
     key = cache.digest({"corpus_sha256": corpus["sha256"], "vocab_size": vocab_size,

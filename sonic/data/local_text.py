@@ -1,4 +1,5 @@
-"""Offline text that every machine has: this Python installation's sources and docs, as documents.
+"""Offline text that every machine has: the embedded corpus the package ships (`embedded_path`), and
+this Python installation's sources and docs, as documents.
 
 GPU machines cannot reach the Hub, so the large presets need data that is already on disk. Two corpora
 come from here, one document per file:
@@ -23,11 +24,11 @@ import re
 import sys
 import sysconfig
 import zlib
+from importlib import resources
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from sonic.data import cache
-from sonic.data.documents import embedded_path
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,11 @@ MIN_LETTER_SHARE = 0.7  # prose files below it are data (number tables, test vec
 SYSTEM_DOCS = Path("/usr/share/doc")
 PROSE_SUFFIXES = (".md", ".rst", ".txt")
 _DOC_NAMES = re.compile(r"(readme|changelog|changes|news|history|authors|thanks|faq|copyright)", re.IGNORECASE)
+
+
+def embedded_path() -> str:
+    """The corpus shipped inside the package (`source: embedded`; `python -m sonic.data.make_corpus` writes it)."""
+    return str(resources.files("sonic.data") / "corpus" / "embedded.txt")
 
 
 def python_roots() -> list[Path]:
@@ -200,30 +206,3 @@ def ensure_corpus(cache_dir: str, max_bytes: int = CORPUS_BYTES) -> tuple[Path, 
 def _size_mtime(path: Path) -> tuple[int, int]:
     st = path.stat()
     return st.st_size, st.st_mtime_ns
-
-
-def ensure_shards(cfg, tokenizer) -> Path:
-    """The local text corpus tokenised by `tokenizer` into prepared shards (sonic.data.prepare), built
-    once per (corpus, tokenizer) so that the ranks of a job memory-map one copy instead of each
-    tokenising ~128 MiB at start-up."""
-    from sonic.data.config import DataConfig
-    from sonic.data.prepare import prepare
-    from sonic.data.tokenizer import tokenizer_digest
-
-    corpus_path, corpus = ensure_corpus(cfg.cache_dir)
-    key = cache.digest({"corpus_sha256": corpus["sha256"], "tokenizer": tokenizer_digest(tokenizer)})
-    entry = Path(cfg.cache_dir).expanduser() / "local_shards" / key[:16]
-
-    def build(tmp: Path) -> dict:
-        log.info("tokenising the local text corpus (%.1f MiB) with %s into %s", corpus["bytes"] / 2**20,
-                 tokenizer.name, entry)
-        files_cfg = DataConfig(source="files", paths=[str(corpus_path)], tokenizer=cfg.tokenizer,
-                               cache_dir=cfg.cache_dir)
-        # procs=0: the fast tokenizer's own threads encode each chunk (no forked pool inside a training rank)
-        index = prepare(files_cfg, str(tmp), procs=0, chunk_docs=1024, progress=False, tokenizer=tokenizer)
-        tokens = sum(s["tokens"] for s in index["shards"])
-        log.info("local text corpus: %d tokens (%.2f bytes per token)", tokens, corpus["bytes"] / tokens)
-        return {"corpus_sha256": corpus["sha256"], "tokenizer": tokenizer.name, "tokens": tokens}
-
-    cache.ensure(entry, build, f"the local text corpus tokenised by {tokenizer.name}")
-    return entry

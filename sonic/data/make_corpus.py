@@ -12,6 +12,8 @@ import argparse
 import os
 import random
 
+from sonic.data.local_text import embedded_path
+
 SEED = 2512
 TARGET_BYTES = 300_000
 
@@ -107,8 +109,6 @@ def generate(seed: int = SEED, target_bytes: int = TARGET_BYTES) -> str:
 
 
 def main() -> None:
-    from sonic.data.documents import embedded_path
-
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=embedded_path(), help="where to write (default: the packaged corpus)")
     out = parser.parse_args().out

@@ -1,4 +1,5 @@
-"""Tokenise a corpus once, in parallel, into memory-mapped shards that `source: shards` reads.
+"""Tokenise a corpus once, in parallel, into memory-mapped shards that `source: shards` reads
+(`ensure_shards`: the local text corpus's, built once per tokenizer and cached, for `source: local_text`).
 
     python -m sonic.data.prepare OUT_DIR --config configs/data/fineweb_edu.yaml [--procs 16] \
         [--shard-tokens 100000000] [--max-docs N] [key=value ...]
@@ -13,16 +14,21 @@ import collections
 import hashlib
 import io
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
-from sonic.data import documents, shards
+from sonic.data import cache, documents, shards
 from sonic.data.config import DataConfig
 from sonic.data.corpus import tokenize_chunk
-from sonic.data.tokenizer import build_tokenizer, load_tokenizer, token_dtype
+from sonic.data.local_text import ensure_corpus
+from sonic.data.tokenizer import build_tokenizer, load_tokenizer, token_dtype, tokenizer_digest
+
+log = logging.getLogger(__name__)
 
 SOURCE_KEYS = ("source", "name", "subset", "split", "paths", "text_column", "txt_docs", "tokenizer")
 # cache_dir is left out: it says where local_text / local_bpe are cached, not what they hold
@@ -187,6 +193,29 @@ def prepare(cfg: DataConfig, out: str, procs: int = 0, shard_tokens: int = 100_0
         if pool:
             pool.terminate()
     return index
+
+
+def ensure_shards(cfg, tokenizer) -> Path:
+    """The local text corpus tokenised by `tokenizer` into prepared shards (`prepare`), built
+    once per (corpus, tokenizer) so that the ranks of a job memory-map one copy instead of each
+    tokenising ~128 MiB at start-up."""
+    corpus_path, corpus = ensure_corpus(cfg.cache_dir)
+    key = cache.digest({"corpus_sha256": corpus["sha256"], "tokenizer": tokenizer_digest(tokenizer)})
+    entry = Path(cfg.cache_dir).expanduser() / "local_shards" / key[:16]
+
+    def build(tmp: Path) -> dict:
+        log.info("tokenising the local text corpus (%.1f MiB) with %s into %s", corpus["bytes"] / 2**20,
+                 tokenizer.name, entry)
+        files_cfg = DataConfig(source="files", paths=[str(corpus_path)], tokenizer=cfg.tokenizer,
+                               cache_dir=cfg.cache_dir)
+        # procs=0: the fast tokenizer's own threads encode each chunk (no forked pool inside a training rank)
+        index = prepare(files_cfg, str(tmp), procs=0, chunk_docs=1024, progress=False, tokenizer=tokenizer)
+        tokens = sum(s["tokens"] for s in index["shards"])
+        log.info("local text corpus: %d tokens (%.2f bytes per token)", tokens, corpus["bytes"] / tokens)
+        return {"corpus_sha256": corpus["sha256"], "tokenizer": tokenizer.name, "tokens": tokens}
+
+    cache.ensure(entry, build, f"the local text corpus tokenised by {tokenizer.name}")
+    return entry
 
 
 def _config(config_path: str | None, overrides: list[str]) -> DataConfig:

@@ -10,17 +10,37 @@ once per forward with `core.mask(doc_ids_BS, S, device)` and each layer calls `c
 | flex | FlexAttention, causal BlockMask       | FlexAttention, document BlockMask: no dense mask  |
 | auto | sdpa                                  | flex on CUDA, sdpa elsewhere                      |
 
+The cores are one Registry (sonic/registry.py), ATTENTION_BACKENDS: a name maps to a core class
+that implements AttentionCore.
+
 Legend: B batch, H query heads, G kv heads, S sequence, Hd head dim.
 """
 from __future__ import annotations
 
 import functools
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+from sonic.registry import Entry, Registry
+
+ATTENTION_BACKENDS = Registry("model.attention_backend", [
+    Entry("auto", "sonic.models.attention:AutoCore"),
+    Entry("sdpa", "sonic.models.attention:SDPACore"),
+    Entry("flex", "sonic.models.attention:FlexCore"),
+])
+
+
+class AttentionCore(Protocol):
+    """What every registered core is: one mask per forward, then one call per layer."""
+
+    name: str
+
+    def mask(self, doc_ids_BS: Tensor | None, S: int, device: torch.device) -> Any: ...
+
+    def __call__(self, q_BHSd: Tensor, k_BGSd: Tensor, v_BGSd: Tensor, mask: Any) -> Tensor: ...
 
 
 def document_causal_mask(doc_ids_BS: Tensor) -> Tensor:
@@ -110,11 +130,5 @@ class AutoCore:
         return core(q_BHSd, k_BGSd, v_BGSd, inner)
 
 
-def build_attention_core(name: str):
-    cores = {"auto": AutoCore, "sdpa": SDPACore, "flex": FlexCore}
-    if name not in cores:
-        raise ValueError(f"model.attention_backend={name!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
-    return cores[name]()
-
-
-AttentionCore = SDPACore | FlexCore | AutoCore
+def build_attention_core(name: str) -> AttentionCore:
+    return ATTENTION_BACKENDS.load(name)()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sonic.kernels import BACKENDS
 from sonic.models.attention import ATTENTION_BACKENDS
 from sonic.models.loss import LOSS_BACKENDS
 from sonic.routing.config import RoutingConfig
@@ -28,6 +29,7 @@ class MoEConfig:
             raise ValueError(f"moe.top_k={self.top_k} must be between 1 and moe.num_experts={self.num_experts}")
         if self.shared_expert_dim < 0:
             raise ValueError(f"moe.shared_expert_dim={self.shared_expert_dim} must be >= 0 (0 disables it)")
+        BACKENDS.check(self.kernel_backend, ("auto",))
 
 
 @dataclass
@@ -72,11 +74,8 @@ class ModelConfig:
             raise ValueError(f"model.first_k_dense={self.first_k_dense} needs model.dense_dim >= 1")
         if self.attn_out_init not in ATTN_OUT_INITS:
             raise ValueError(f"model.attn_out_init={self.attn_out_init!r} is not one of {', '.join(ATTN_OUT_INITS)}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"model.attention_backend={self.attention_backend!r} is not one of "
-                             f"{', '.join(ATTENTION_BACKENDS)}")
-        if self.loss_backend not in LOSS_BACKENDS:
-            raise ValueError(f"model.loss_backend={self.loss_backend!r} is not one of {', '.join(LOSS_BACKENDS)}")
+        ATTENTION_BACKENDS.check(self.attention_backend)
+        LOSS_BACKENDS.check(self.loss_backend)
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ValueError("model.rope_theta, model.norm_eps and model.init_std must be > 0")
 

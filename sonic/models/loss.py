@@ -11,21 +11,28 @@ to IGNORE_INDEX count for nothing; a batch with no labels has loss 0):
 | liger   | Liger-Kernel's fused linear cross-entropy (the same idea, Triton; `pip install liger-kernel`) |
 | cce     | Apple's cut-cross-entropy: logits never leave SRAM (Triton; `pip install cut-cross-entropy`) |
 
+The backends are one Registry (sonic/registry.py), LOSS_BACKENDS; a backend with a package runs
+Triton kernels, on CUDA GPUs only.
+
 Legend: T tokens, D hidden, V vocabulary.
 """
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sonic.registry import Entry, Registry
+
 IGNORE_INDEX = -100
-LOSS_BACKENDS = ("torch", "chunked", "liger", "cce")
-# Optional packages behind a backend: (module, pip name).
-_PACKAGES = {"liger": ("liger_kernel", "liger-kernel"), "cce": ("cut_cross_entropy", "cut-cross-entropy")}
+LOSS_BACKENDS = Registry("model.loss_backend", [
+    Entry("torch", "sonic.models.loss:torch_loss"),
+    Entry("chunked", "sonic.models.loss:chunked_loss"),
+    Entry("liger", "sonic.models.loss:liger_loss", package="liger_kernel", extra="liger-kernel"),
+    Entry("cce", "sonic.models.loss:cce_loss", package="cut_cross_entropy", extra="cut-cross-entropy"),
+])
 CHUNK_ELEMENTS = 1 << 28  # logits per chunk of the chunked backend: 512 MiB in bf16
 
 
@@ -102,28 +109,19 @@ def cce_loss(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor) -> Tensor:
     return torch.nan_to_num(loss, nan=0.0)
 
 
-_FUNCTIONS = {"torch": torch_loss, "chunked": chunked_loss, "liger": liger_loss, "cce": cce_loss}
-
-
 def loss_unavailable_reason(name: str, device: torch.device) -> str | None:
-    if name not in _PACKAGES:
-        return None
-    module, pip_name = _PACKAGES[name]
+    if LOSS_BACKENDS.entries[name].package is None:
+        return None  # plain torch runs anywhere
     if device.type != "cuda":
         return f"it runs Triton kernels on CUDA GPUs only (device is {device})"
-    try:
-        importlib.import_module(module)
-    except ImportError as err:
-        return f"cannot import {module} ({err}); install it: pip install {pip_name} (or the 'gpu' extra)"
-    return None
+    return LOSS_BACKENDS.missing(name)
 
 
 def get_loss_fn(name: str, device: torch.device):
     """The loss function of backend `name` on `device`; a ValueError names why it cannot run."""
-    if name not in _FUNCTIONS:
-        raise ValueError(f"model.loss_backend={name!r} is not one of {', '.join(LOSS_BACKENDS)}")
+    LOSS_BACKENDS.check(name)
     reason = loss_unavailable_reason(name, device)
     if reason is not None:
         raise ValueError(f"model.loss_backend={name!r} cannot run here: {reason}. "
                          f"Use model.loss_backend=chunked or torch.")
-    return _FUNCTIONS[name]
+    return LOSS_BACKENDS.load(name)

@@ -6,7 +6,7 @@ import os
 from collections import Counter, defaultdict
 
 from sonic.data import DataConfig, build_loaders, build_tokenizer
-from sonic.data.documents import embedded_path
+from sonic.data.local_text import embedded_path
 from sonic.data.make_corpus import generate
 
 

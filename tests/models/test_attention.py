@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from sonic.models import ModelConfig, MoEConfig, Transformer
-from sonic.models.attention import FlexCore, SDPACore, build_attention_core
+from sonic.models.attention import ATTENTION_BACKENDS, FlexCore, SDPACore, build_attention_core
 
 CPU = torch.device("cpu")
 
@@ -96,3 +96,8 @@ def test_the_gpu_paths_resolve():
     from sonic.models import attention
 
     assert callable(attention._compiled_flex())
+
+
+def test_every_registered_name_builds_its_core():
+    for name in ATTENTION_BACKENDS:
+        assert build_attention_core(name).name == name

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from sonic.models import ModelConfig, MoEConfig, Transformer
 from sonic.models import loss as loss_mod
+from sonic.registry import Entry
 
 CPU = torch.device("cpu")
 
@@ -86,13 +87,21 @@ def test_bad_backend_names_the_choices_or_the_package():
         assert reason is not None and "CUDA" in reason
         with pytest.raises(ValueError, match=f"loss_backend='{name}' cannot run here"):
             loss_mod.get_loss_fn(name, CPU)
-        assert pip in loss_mod._PACKAGES[name][1]
+        assert loss_mod.LOSS_BACKENDS.entries[name].extra == pip
+
+
+def test_every_registered_name_loads_its_function():
+    assert loss_mod.get_loss_fn("torch", CPU) is loss_mod.torch_loss
+    assert loss_mod.get_loss_fn("chunked", CPU) is loss_mod.chunked_loss
 
 
 def test_missing_package_names_the_pip_install(monkeypatch):
-    monkeypatch.setitem(loss_mod._PACKAGES, "liger", ("sonic_no_such_module", "liger-kernel"))
+    monkeypatch.setitem(loss_mod.LOSS_BACKENDS.entries, "liger",
+                        Entry("liger", "sonic.models.loss:liger_loss", package="sonic_no_such_module", extra="liger-kernel"))
     reason = loss_mod.loss_unavailable_reason("liger", torch.device("cuda"))
     assert "pip install liger-kernel" in reason
+    with pytest.raises(ValueError, match="pip install liger-kernel"):
+        loss_mod.get_loss_fn("liger", torch.device("cuda"))
 
 
 @pytest.mark.gpu

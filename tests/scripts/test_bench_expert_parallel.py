@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -22,4 +24,7 @@ def test_expert_parallel_bench_runs_each_ep(tmp_path):
     fsdp, ep = result["rows"]
     assert (fsdp["ep"], ep["ep"], result["world_size"]) == (1, 2, 2)
     assert fsdp["all_to_all_ms"] == 0 < ep["all_to_all_ms"] and ep["tokens_per_s_per_gpu"] > 0
-    assert ep["worst_load_max_over_mean"] >= 1
+    for row in (fsdp, ep):  # tiny, one MoE layer: E 8, K 2; all ranks' 2x32 tokens, K experts each
+        [load_E] = row["expert_load"]
+        assert len(load_E) == 8 and sum(load_E) == 2 * (2 * 32) * 2
+        assert row["worst_load_max_over_mean"] == pytest.approx(max(load_E) / (sum(load_E) / len(load_E)))

@@ -1,52 +1,76 @@
-"""bench.moe_layer --block on CPU (its smoke mode): the training MoE block runs and its record has every field;
-the official layer's path runs on a stand-in with sonic-moe's interface."""
+"""bench.moe_block on CPU (its smoke mode): the training MoE block runs and its record has every field;
+the official layer's path runs on a stand-in with sonic-moe's interface. The timed callables really run,
+interleaved; the ms they return are replaced by fixed ones, so each field's arithmetic is checked exactly."""
 import argparse
 import json
 import types
 
+import pytest
 import torch
 
-from bench import moe_layer
+from bench import common, moe_block, moe_configs, moe_layer
 
 REQUIRED = {"gpu": str, "config": str, "backend": str, "fwd_tflops": float, "bwd_tflops": float, "fb_tflops": float,
             "held_mib": type(None), "official_fb_tflops": type(None), "official_held_mib": type(None),
-            "ratio_fb": type(None), "compile_s": float}
+            "compile_s": float} | dict.fromkeys(moe_block.RATIO_FIELDS, type(None))
+# per-round ms: the medians are fwd 2, official 4, f+b 6, official 10; the best rounds fwd 1, 3, f+b 4, 8
+FIXED_MS = {"fwd": [2.0, 1.0, 3.0, 2.0, 2.5, 1.5, 9.0], "official_fwd": [4.0, 3.0, 5.0, 4.0, 4.5, 3.5, 9.0],
+            "fb": [6.0, 4.0, 9.0, 6.0, 7.0, 5.0, 20.0], "official_fb": [12.0, 8.0, 10.0, 10.0, 11.0, 9.0, 30.0]}
 
 
-def test_block_bench_cpu_record(tmp_path):
+@pytest.fixture
+def fixed_times(monkeypatch):
+    """interleaved_ms runs every callable (one round) and returns FIXED_MS; calls records what it was asked."""
+    calls = []
+
+    def timed(fns, grad_to_none, rounds, warmup, rep):
+        calls.append((list(fns), rounds))
+        common.interleaved_ms(fns, grad_to_none, 1, warmup, rep)
+        return {name: FIXED_MS[name] for name in fns}
+
+    monkeypatch.setattr(moe_block, "interleaved_ms", timed)
+    return calls
+
+
+def unit(shape) -> float:
+    T, d, n, E, K = shape
+    return T * K * n * d / 1e9
+
+
+def test_block_bench_cpu_record(tmp_path, fixed_times):
     out = tmp_path / "moe_block.json"
-    moe_layer.main(["--block", "--device", "cpu", "--shape", "64,32,16,4,2", "--rounds", "3", "--json", str(out)])
+    moe_block.main(["--device", "cpu", "--shape", "64,32,16,4,2", "--json", str(out)])
     payload = json.loads(out.read_text())
     assert payload["mode"] == "block" and payload["official_unavailable"] == "--device cpu"
+    assert payload["rounds"] == 7 and fixed_times == [(["fwd", "fb"], 7)]  # at least 7 rounds by default
     [rec] = payload["records"]
     assert "error" not in rec, rec.get("trace")
     for field, kind in REQUIRED.items():
-        if field == "bwd_tflops" and rec[field] is None:  # fb - fwd of noisy CPU timings can be <= 0
-            continue
         assert isinstance(rec[field], kind), (field, rec[field])
     assert (rec["gpu"], rec["config"], rec["backend"]) == ("cpu", "64,32,16,4,2", "reference")
-    assert rec["fwd_tflops"] > 0 and rec["fb_tflops"] > 0 and rec["compile_s"] > 0
-    assert rec["bwd_tflops"] is None or rec["bwd_tflops"] > 0
+    u = unit((64, 32, 16, 4, 2))
+    assert (rec["fwd_ms"], rec["fb_ms"], rec["bwd_ms"]) == (2.0, 6.0, 4.0)  # medians; bwd = f+b - fwd
+    assert rec["fwd_tflops"] == pytest.approx(6 * u / 2) and rec["fb_tflops"] == pytest.approx(18 * u / 6)
+    assert rec["bwd_tflops"] == pytest.approx(12 * u / 4) and rec["compile_s"] > 0
     # the block is checked against itself on the reference backend: the same routing, so exact
     assert rec["check_ok"] and rec["max_err"] == 0 and set(rec["check"]) == {"out", "dx", "dw1", "dw2", "drouter"}
-    assert len(rec["rounds_ms"]["fwd"]) == len(rec["rounds_ms"]["fb"]) == 3
+    assert rec["rounds_ms"] == {"fwd": FIXED_MS["fwd"], "fb": FIXED_MS["fb"]}
+    assert "64,32,16,4,2" not in moe_configs.CONFIGS  # an extra shape is the run's, not the module's
+
+
+def test_rounds_must_be_positive():
+    with pytest.raises(SystemExit):
+        moe_block.main(["--device", "cpu", "--shape", "64,32,16,4,2", "--rounds", "0"])
 
 
 def test_block_bench_resume_skips_done_records(tmp_path, capsys):
     out = tmp_path / "moe_block.json"
-    args = ["--block", "--device", "cpu", "--shape", "32,16,8,4,2", "--rounds", "1", "--json", str(out)]
-    moe_layer.main(args)
+    args = ["--device", "cpu", "--shape", "32,16,8,4,2", "--rounds", "1", "--json", str(out)]
+    moe_block.main(args)
     first = json.loads(out.read_text())["records"]
-    moe_layer.main(args + ["--resume"])
+    moe_block.main(args + ["--resume"])
     assert "already in the results" in capsys.readouterr().out
     assert json.loads(out.read_text())["records"] == first
-
-
-def test_table_9b_configs_are_named():
-    from scripts.repro import paper
-
-    want = [shape for shapes in paper.TABLE_9B.values() for shape in shapes]
-    assert [moe_layer.CONFIGS[c] for c in moe_layer.TABLE_9B] == want
 
 
 class _StandInOfficial(torch.nn.Module):
@@ -72,15 +96,36 @@ class _StandInOfficial(torch.nn.Module):
         return reference.experts(x_TD, self.c_fc.weight, self.c_proj.weight, plan), logits_TE.softmax(-1).var()
 
 
-def test_block_bench_official_fields_with_a_stand_in(monkeypatch):
+def test_block_bench_official_fields_with_a_stand_in(fixed_times):
     """The official path (built on the same weights, timed interleaved, compared) without a GPU."""
     official = (_StandInOfficial, types.SimpleNamespace(SWIGLU="swiglu"))
-    args = argparse.Namespace(device="cpu", model="sonic_7b", rounds=2, warmup=1, rep=1)
+    args = argparse.Namespace(device="cpu", model="sonic_7b", rounds=7, warmup=1, rep=1)
     records = []
-    moe_layer.run_block_config("tiny", (48, 32, 16, 4, 2), ["reference"], official, args, set(), records.append)
+    moe_block.run_block_config("tiny", (48, 32, 16, 4, 2), ["reference"], official, args, set(), records.append)
     [rec] = records
     assert "error" not in rec, rec.get("trace")
-    assert rec["official_fb_tflops"] > 0 and rec["official_compile_s"] > 0 and rec["official_held_mib"] is None
-    assert rec["ratio_fb"] == rec["fb_tflops"] / rec["official_fb_tflops"]
+    assert fixed_times == [(["fwd", "official_fwd", "fb", "official_fb"], 7)]  # interleaved within each round
+    assert rec["official_compile_s"] > 0 and rec["official_held_mib"] is None
+    assert rec["official_fb_tflops"] == pytest.approx(18 * unit((48, 32, 16, 4, 2)) / 10)
+    # Sonic over official, official ms / ours: medians, then each side's best round; bwd = f+b - fwd
+    assert rec["ratio_fwd"] == 4 / 2 and rec["ratio_fb"] == 10 / 6 and rec["ratio_bwd"] == (10 - 4) / (6 - 2)
+    assert rec["best_ratio_fwd"] == 3 / 1 and rec["best_ratio_fb"] == 8 / 4
+    assert rec["best_ratio_bwd"] == (8 - 3) / (4 - 1)
+    assert rec["ratio_fb"] == pytest.approx(rec["fb_tflops"] / rec["official_fb_tflops"])
     assert rec["official_err_out"] < 1e-2  # same weights, same top-K + softmax routing
-    assert list(rec["rounds_ms"]) == ["fwd", "official_fwd", "fb", "official_fb"]  # interleaved
+    summary = moe_block.block_summary(records)
+    assert "1.67 (2.00)" in summary and "2.00 (3.00)" in summary and "1.50 (1.67)" in summary
+
+
+def test_ratios_are_none_where_a_backward_is_not_positive():
+    times = {"fwd": [2.0], "fb": [1.5], "official_fwd": [1.0], "official_fb": [3.0]}  # noise: ours fb < fwd
+    got = moe_block.ratios(times)
+    assert got["ratio_bwd"] is None and got["best_ratio_bwd"] is None
+    assert got["ratio_fwd"] == 0.5 and got["ratio_fb"] == 2.0
+    assert set(got) == set(moe_block.RATIO_FIELDS)
+
+
+def test_moe_layer_block_points_to_the_block_module(capsys):
+    with pytest.raises(SystemExit):
+        moe_layer.main(["--block", "--device", "cpu", "--shape", "64,32,16,4,2"])
+    assert "python -m bench.moe_block" in capsys.readouterr().err

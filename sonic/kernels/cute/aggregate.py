@@ -11,6 +11,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from sonic.kernels.cute.epilogue import _aligned
+
 WARPS = 4
 
 
@@ -46,7 +48,7 @@ class GatherSum:
                 for q in cutlass.range_constexpr(self.per_lane):
                     ch = lane + 32 * q
                     if ch < self.chunks:
-                        src = _aligned16(cute.local_tile(mRows[r, None], (8,), (ch,)))
+                        src = _aligned(cute.local_tile(mRows[r, None], (8,), (ch,)), 16)
                         v = src.load().to(Float32)
                         for e in cutlass.range_constexpr(8):
                             acc[q, e] += w * v[e]
@@ -56,10 +58,5 @@ class GatherSum:
                     out = cute.make_rmem_tensor((8,), mOut.element_type)
                     for e in cutlass.range_constexpr(8):
                         out[e] = acc[q, e].to(mOut.element_type)
-                    dst = _aligned16(cute.local_tile(mOut[t, None], (8,), (ch,)))
+                    dst = _aligned(cute.local_tile(mOut[t, None], (8,), (ch,)), 16)
                     cute.autovec_copy(out, dst)
-
-
-def _aligned16(t: cute.Tensor) -> cute.Tensor:
-    ptr = cute.make_ptr(t.element_type, t.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
-    return cute.make_tensor(ptr, t.layout)

@@ -1,0 +1,62 @@
+"""bench.common.write_json records the commit the numbers were measured at: git's HEAD in a checkout,
+$SONIC_COMMIT on a machine given a copy of the tree without .git, else "unknown"; a payload's own wins."""
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from bench import common
+
+
+@pytest.fixture
+def no_git_here(tmp_path, monkeypatch):
+    """REPO is a plain folder (as on the GPU machine), with no repository above it either."""
+    monkeypatch.setattr(common, "REPO", tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    monkeypatch.delenv("SONIC_COMMIT", raising=False)
+    monkeypatch.delenv("OUT", raising=False)
+
+
+def written(tmp_path, payload=None) -> dict:
+    path = common.write_json(tmp_path / "out" / "result.json", payload or {"x": 1})
+    return json.loads(path.read_text())
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_checkout_records_its_head(tmp_path, monkeypatch):
+    monkeypatch.setenv("SONIC_COMMIT", "fromenv")  # git wins where it works
+    monkeypatch.delenv("OUT", raising=False)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=common.REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert written(tmp_path)["commit"] == head
+
+
+def test_without_git_the_environment_names_the_commit(tmp_path, monkeypatch, no_git_here):
+    monkeypatch.setenv("SONIC_COMMIT", "abc1234")
+    assert written(tmp_path)["commit"] == "abc1234"
+
+
+def test_without_git_or_environment_the_commit_is_unknown(tmp_path, no_git_here):
+    assert written(tmp_path)["commit"] == "unknown"
+
+
+def test_a_payloads_own_commit_wins(tmp_path, monkeypatch, no_git_here):
+    monkeypatch.setenv("SONIC_COMMIT", "abc1234")
+    got = written(tmp_path, {"commit": "0123456789abcdef", "x": 1})
+    assert got["commit"] == "0123456789abcdef" and got["x"] == 1
+
+
+def test_a_repository_around_a_copy_is_not_its_commit(tmp_path, monkeypatch, no_git_here):
+    """A tree copied into some other repository's folder is not that repository's HEAD."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    outer = tmp_path / "outer"
+    (outer / "copy").mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    subprocess.run(["git", "-C", str(outer), "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q",
+                    "--allow-empty", "-m", "outer"], check=True)
+    monkeypatch.setattr(common, "REPO", outer / "copy")
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    monkeypatch.setenv("SONIC_COMMIT", "abc1234")
+    assert written(tmp_path)["commit"] == "abc1234"
