@@ -34,7 +34,7 @@ path with the reference backend and no official layer (numbers meaningless).
 
 The bare expert layer (a diagnostic: the kernels alone) is bench/moe_layer.py.
 
-Run:   python -m bench.moe_block [--configs 7B,30B] [--backends cute,triton] [--no-official]
+Run:   python -m bench.moe_block [--configs 7B,30B] [--backends cute,triton] [--no-official] [--compile]
            [--budget-s 540 --resume --json PATH]
        python -m bench.moe_block --device cpu --shape 64,32,16,4,2
 """
@@ -68,6 +68,9 @@ def block_moe_config(model: str, shape, backend: str):
     _, _, n, E, K = shape
     return dataclasses.replace(load_preset(model).moe, num_experts=E, top_k=K, expert_dim=n, shared_expert_dim=0,
                                kernel_backend=backend)
+
+
+COMPILED = "+compile"  # a backend name with this suffix times the block under torch.compile (--compile)
 
 
 def sonic_block(p: Problem, cfg):
@@ -201,7 +204,10 @@ def run_block_config(name, shape, backends, official, args, done, emit) -> None:
                                              "model": args.model, "official_error": off_err}
         moe = None
         try:
-            moe = sonic_block(p, block_moe_config(args.model, shape, backend))
+            moe = sonic_block(p, block_moe_config(args.model, shape, backend.removesuffix(COMPILED)))
+            if backend.endswith(COMPILED):  # as sonic.parallel compiles each block: backends first, then compile
+                moe.resolve_backends(p.device)
+                moe.compile()
             forward = block_forward(moe, p.x, autocast=cuda)
             fwd, fb = step_fns(forward, p.dout)
             leaves = [p.x] + list(moe.parameters())
@@ -280,6 +286,8 @@ def run_block(configs, args) -> None:
         print(f"[skip] official sonic-moe: {why}")
     official_on = set(configs if args.official_configs is None else args.official_configs.split(","))
     backends = backend_names(args.backends or ("cute,triton" if args.device == "cuda" else "reference"), args.device)
+    if args.compile:  # each backend also as the trainer runs it: the block under torch.compile (COMPILED suffix)
+        backends += [b + COMPILED for b in backends]
     if args.autotune and "triton" in backends:  # as SONIC_TRITON_AUTOTUNE=1 does in training
         from sonic.kernels.triton import tuning  # noqa: PLC0415 - needs triton
         tuning.set_autotune(True)
@@ -317,6 +325,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (each a do_bench per layer)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no config after this many seconds")
     ap.add_argument("--resume", action="store_true", help="keep the records in --json, run the missing ones")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time each backend's block under torch.compile, as the trainer runs it (<backend>+compile)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: time at least one round (7 or more for a table)")

@@ -1,5 +1,5 @@
 """Routing alone, per routing backend and method: the router's logits -> RoutingPlan + aux and z losses,
-forward and forward+backward (a diagnostic: the MoE-block benchmark, bench.moe_layer --block, times it inside the block).
+forward and forward+backward (a diagnostic: the MoE-block benchmark, bench.moe_block, times it inside the block).
 
 Per (T, E, K) of Table 9b and the routing backends (torch: the semantics; triton: the fused kernels), the
 Router's `route` on the same bf16 logits, with the gates' and losses' gradients flowing back to the logits,
@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from bench.common import bench_ms, result_path, table, write_json
-from bench.moe_layer import CONFIGS
+from bench.moe_configs import CONFIGS
 from sonic.routing import Router, RoutingConfig
 
 

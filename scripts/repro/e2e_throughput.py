@@ -169,8 +169,8 @@ def _arg(command: str, key: str) -> int | None:
 
 
 def e2e_records(commands: dict[Path, str], nproc: int, gpu: str, skip: int, commit: str) -> list[dict]:
-    """One record per run: steady-state speed over the steps after `skip`, and every layer's
-    max/mean expert load at the last logged step (routing health at the end of the run)."""
+    """One record per run: steady-state speed over the steps after `skip`, every layer's max/mean
+    expert load at the last logged step, and the worst layer's at every logged step."""
     records = []
     for run_dir, command in commands.items():
         rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
@@ -185,6 +185,9 @@ def e2e_records(commands: dict[Path, str], nproc: int, gpu: str, skip: int, comm
                         "micro_batch_size": _arg(command, "train.micro_batch_size"),
                         "seq_len": _arg(command, "train.seq_len"), "peak_mem_gib": state.get("mem_peak_gib"),
                         "max_load_over_mean": loads, "steps": last["step"], "steps_averaged": state["steps_averaged"],
+                        # routing health over the whole run, not only at its end: the worst layer at every log step
+                        "max_load_over_mean_by_step": {r["step"]: r["expert_load_max_worst"] for r in rows
+                                                       if "expert_load_max_worst" in r},
                         "loss_first_last": [rows[0]["loss"], last["loss"]], "commit": commit, "command": command})
     return records
 

@@ -61,6 +61,9 @@ class MoE(nn.Module):
     def resolve_backends(self, device: torch.device) -> None:
         """Pick the expert kernels and the routing backend for `device` now, before torch.compile traces a
         forward: resolving imports modules, and a compiled graph would break there (sonic/parallel calls this)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # tensors name their device with its index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.experts_fn(device)
         self.router.backend(device)
 

@@ -129,3 +129,14 @@ def test_moe_layer_block_points_to_the_block_module(capsys):
     with pytest.raises(SystemExit):
         moe_layer.main(["--block", "--device", "cpu", "--shape", "64,32,16,4,2"])
     assert "python -m bench.moe_block" in capsys.readouterr().err
+
+
+def test_block_bench_times_the_compiled_block_too(tmp_path, fixed_times):
+    """--compile adds each backend's block under torch.compile (as the trainer runs it), checked like the rest."""
+    out = tmp_path / "moe_block.json"
+    moe_block.main(["--device", "cpu", "--shape", "64,32,16,4,2", "--rounds", "1", "--compile", "--json", str(out)])
+    records = {r["backend"]: r for r in json.loads(out.read_text())["records"]}
+    assert set(records) == {"reference", "reference+compile"}
+    compiled = records["reference+compile"]
+    assert "error" not in compiled, compiled.get("trace")
+    assert compiled["check_ok"] and compiled["max_err"] < 1e-2, compiled["check"]  # bf16: inductor rounds its own way

@@ -191,7 +191,8 @@ def test_e2e_payload_reads_each_runs_metrics(tmp_path):
 def test_e2e_records_carry_speed_and_every_layers_load(tmp_path):
     rows = [{"step": s, "loss": 10.0 - s / 10, "tokens_per_s_per_gpu": v, "tokens_per_s": 2 * v,
              "btokens_per_day": 2 * v * 86400 / 1e9, "mfu": 0.3, "mfu_causal": 0.25, "mem_peak_gib": 80.0,
-             **{f"expert_load_max/{i}": 1.5 + i + s for i in range(3)}} for s, v in ((5, 10.0), (10, 40e3), (15, 50e3))]
+             "expert_load_max_worst": 3.5 + s, **{f"expert_load_max/{i}": 1.5 + i + s for i in range(3)}}
+            for s, v in ((5, 10.0), (10, 40e3), (15, 50e3))]
     run_dir = tmp_path / "triton_3L"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -202,6 +203,7 @@ def test_e2e_records_carry_speed_and_every_layers_load(tmp_path):
     assert rec["backend"] == "triton" and rec["layers"] == 3 and rec["num_gpus"] == 2 and rec["gpu"] == "H200"
     assert rec["tokens_per_s_per_gpu"] == 45e3 and rec["btokens_per_gpu_day"] == pytest.approx(45e3 * 86400 / 1e9)
     assert rec["max_load_over_mean"] == [16.5, 17.5, 18.5]  # the last logged step, one value per layer
+    assert rec["max_load_over_mean_by_step"] == {5: 8.5, 10: 13.5, 15: 18.5}  # the worst layer, every log step
     assert rec["steps"] == 15 and rec["commit"] == "abc123" and rec["mfu"] == 0.3 and rec["peak_mem_gib"] == 80.0
 
 
