@@ -28,13 +28,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sonic.routing.config import RoutingConfig
 from sonic.routing.expert_choice import expert_capacity, expert_choice_plan
 from sonic.routing.losses import switch_aux_loss, z_loss
 from sonic.routing.plan import RoutingPlan, plan_from_topk
+from sonic.routing.scores import build_scores
 from sonic.routing.token_choice import count_per_expert, select_topk
 from sonic.routing.token_rounding import group_sum, token_rounding_plan
 
@@ -70,11 +70,13 @@ class Router(nn.Module):
         self.register_buffer("balance_pending_E", torch.zeros(num_experts, dtype=torch.int64))
         self.stats_group = None  # process group whose picks the aux loss counts (None: this process)
         self.ep_group = None  # expert-parallel group: token rounding rounds its summed counts (sonic/parallel)
+        self.scores = build_scores(cfg.input_centring)  # x -> logits (sonic/routing/scores.py)
 
-    def forward(self, x_TD: Tensor) -> RouterOutput:
-        """x_TD in the compute dtype (the MoE block casts it once for the router and the experts)."""
+    def forward(self, x_TD: Tensor, seq_len: int | None = None) -> RouterOutput:
+        """x_TD in the compute dtype (the MoE block casts it once for the router and the experts):
+        sequences of seq_len tokens one after another (None: one sequence)."""
         with torch.autocast(x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD, self.weight_ED.to(x_TD.dtype))
+            logits_TE = self.scores(x_TD, self.weight_ED.to(x_TD.dtype), seq_len)
         return self.route(logits_TE.to(torch.promote_types(x_TD.dtype, torch.float32)))
 
     def route(self, logits_TE: Tensor) -> RouterOutput:
