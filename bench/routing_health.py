@@ -152,8 +152,7 @@ class DiagnosticsHook:
         self.records.append({"step": step + 1, "seconds": seconds, "layers": layers})
 
 
-def summarize(history: list[dict], diags: list[dict], num_layers: int, e_over_k: float,
-              log_every: int) -> dict:
+def summarize(history: list[dict], diags: list[dict], num_layers: int, e_over_k: float) -> dict:
     """The issue's targets, read off the trainer's log."""
     loads = {h["step"]: [h[f"expert_load_max/{i}"] for i in range(num_layers)] for h in history}
     last = history[-1]
@@ -172,7 +171,7 @@ def summarize(history: list[dict], diags: list[dict], num_layers: int, e_over_k:
         "loss_at_last_step": last["loss"],
         "tokens_per_s_per_gpu": statistics.median(clean) if clean else None,
         "tokens_per_s_per_gpu_intervals": len(clean),
-        "mem_peak_gib": max((h.get("mem_peak_gib", 0.0) for h in history), default=None),
+        "mem_peak_gib": max((h["mem_peak_gib"] for h in history if "mem_peak_gib" in h), default=None),
     }
 
 
@@ -215,6 +214,7 @@ def main(argv=None) -> Path:
     ap.add_argument("--tag", default="", help="appended to the result file's name")
     ap.add_argument("--diag-every", type=int, default=20, help="diagnostics every N steps (and at 1, 2, 3, 5, 10); 0: off")
     ap.add_argument("--json", default=None, help="result path (default bench/results/<date>-<device>-routing_health[-tag].json)")
+    ap.add_argument("--run-dir", default=None, help="the trainer's run directory (default: a temporary one, removed after)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = ap.parse_args(argv)
     if args.diag_every < 0:
@@ -223,7 +223,8 @@ def main(argv=None) -> Path:
         raise ValueError("bench.routing_health runs on one process (the issue's runs are one GPU); run it without torchrun")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     register_schema()
-    with tempfile.TemporaryDirectory() as run_dir:
+    with contextlib.ExitStack() as stack:
+        run_dir = args.run_dir or stack.enter_context(tempfile.TemporaryDirectory())
         with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
             cfg = to_config(compose(config_name="config",
                                     overrides=[*DEFAULTS, f"train.run_dir={run_dir}", *args.overrides]))
@@ -231,7 +232,7 @@ def main(argv=None) -> Path:
     moe = cfg.model.moe
     num_moe = cfg.model.num_layers - cfg.model.first_k_dense
     e_over_k = moe.num_experts / moe.top_k
-    summary = summarize(history, diags, num_moe, e_over_k, cfg.train.log_every)
+    summary = summarize(history, diags, num_moe, e_over_k)
     print_table(history, num_moe, e_over_k)
     print_diagnostics(diags)
     steps = [{"step": h["step"], "lr": h["lr"], "loss": h["loss"], "aux_loss": h["aux_loss"], "z_loss": h["z_loss"],
