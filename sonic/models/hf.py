@@ -60,6 +60,9 @@ def hf_model_type(cfg: ModelConfig) -> str:
                          f"(ungated) shared expert")
     if r.method == "expert_choice":
         raise ValueError("model.moe.routing.method=expert_choice: HF routers are token-choice top-K")
+    if r.input_centring != "none":
+        raise ValueError(f"model.moe.routing.input_centring={r.input_centring}: HF routers read the hidden state "
+                         f"itself, so the exported model would route differently")
     if cfg.qk_norm == "full":
         if cfg.first_k_dense:
             raise ValueError(f"model.first_k_dense={cfg.first_k_dense}: OLMoE has no dense layers "

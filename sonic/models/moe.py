@@ -74,7 +74,7 @@ class MoE(nn.Module):
         dt = compute_dtype(x_BSD)
         cast = lambda t: None if t is None else t.to(dt)  # noqa: E731
         x_TD = cast(x_BSD.reshape(-1, x_BSD.shape[-1]))
-        routed = self.router(x_TD)
+        routed = self.router(x_TD, x_BSD.shape[1])
         out_TD = self.dispatch(self.experts_fn(x_TD.device), x_TD, cast(self.w1_EFD), cast(self.w2_EDN), routed.plan,
                                cast(self.b1_EF), cast(self.b2_ED))
         if self.shared_expert is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sonic.routing.backends import ROUTING_BACKENDS, ROUTING_METHODS
+from sonic.routing.scores import CENTRINGS
 
 ORDERS = ("topk_softmax", "softmax_topk")
 ROUNDING_MODES = ("nearest", "stochastic", "nearest_score", "balance", "up", "down")
@@ -23,13 +24,17 @@ class RoutingConfig:
     aux_loss_scope: str = "global"  # global: expert fractions over all data-parallel ranks' tokens | local: this rank's
     z_loss_coef: float = 0.0  # router z-loss
     bias_update_rate: float = 0.0  # aux-loss-free expert bias (DeepSeek-V3); 0 disables it
+    # none: logits from the hidden state x (as Hugging Face OLMoE / Qwen3-MoE) | prefix: from x minus the mean of
+    # the earlier positions of its sequence, at unit RMS (keeps deep routers balanced; sonic/routing/scores.py)
+    input_centring: str = "none"
 
     def __post_init__(self):
         ROUTING_BACKENDS.check(self.backend, ("auto",))
         ROUTING_METHODS.check(self.method)
         for field, value, allowed in (("order", self.order, ORDERS),
                                       ("rounding_mode", self.rounding_mode, ROUNDING_MODES),
-                                      ("aux_loss_scope", self.aux_loss_scope, AUX_SCOPES)):
+                                      ("aux_loss_scope", self.aux_loss_scope, AUX_SCOPES),
+                                      ("input_centring", self.input_centring, CENTRINGS)):
             if value not in allowed:
                 raise ValueError(f"routing.{field}={value!r} is not one of {', '.join(allowed)}")
         if not isinstance(self.renormalize, bool):

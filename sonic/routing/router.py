@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sonic import compat
@@ -39,6 +38,7 @@ from sonic.routing.backends import ROUTING_METHODS, routing_backend
 from sonic.routing.config import RoutingConfig
 from sonic.routing.losses import switch_aux_loss, z_loss
 from sonic.routing.token_rounding import group_sum
+from sonic.routing.scores import build_scores
 
 @dataclass
 class RouterOutput:
@@ -68,6 +68,7 @@ class Router(nn.Module):
         self._backends: dict[torch.device, object] = {}  # resolved once per device, not per call
         self.stats_group = None  # process group whose picks the aux loss counts (None: this process)
         self.ep_group = None  # expert-parallel group: token rounding rounds its summed counts
+        self.scores = build_scores(cfg.input_centring)  # x -> logits (sonic/routing/scores.py)
 
     def backend(self, device: torch.device):
         """The routing backend module on `device`. Resolved outside torch.compile where possible (the
@@ -76,10 +77,11 @@ class Router(nn.Module):
             self._backends[device] = routing_backend(self.cfg.backend, device)
         return self._backends[device]
 
-    def forward(self, x_TD: Tensor) -> RouterOutput:
-        """x_TD in the compute dtype (the MoE block casts it once for the router and the experts)."""
+    def forward(self, x_TD: Tensor, seq_len: int | None = None) -> RouterOutput:
+        """x_TD in the compute dtype (the MoE block casts it once for the router and the experts):
+        sequences of seq_len tokens one after another (None: one sequence)."""
         with torch.autocast(x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD, self.weight_ED.to(x_TD.dtype))
+            logits_TE = self.scores(x_TD, self.weight_ED.to(x_TD.dtype), seq_len)
         return self.route(logits_TE)
 
     def route(self, logits_TE: Tensor) -> RouterOutput:

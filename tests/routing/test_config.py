@@ -19,6 +19,7 @@ from sonic.routing import Router, RoutingConfig
     (dict(z_loss_coef=-1e-3), "routing.z_loss_coef"),
     (dict(bias_update_rate=-1e-3), "routing.bias_update_rate"),
     (dict(method="expert_choice", bias_update_rate=1e-3), "routing.bias_update_rate"),
+    (dict(input_centring="mean"), "routing.input_centring"),
 ])
 def test_invalid_field_names_itself(kwargs, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):

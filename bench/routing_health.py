@@ -1,0 +1,254 @@
+"""Routing health over training: every layer's max/mean expert load at every log step, and what drives it.
+
+    python -m bench.routing_health --tag 16L experiment=sonic_7b data=local_bpe optim.warmup_steps=20 \\
+        train.steps=100 model.num_layers=16
+
+Runs the real trainer (sonic.train.trainer.train) on one process; every argument after the options is
+a Hydra override, as for train.py. No evaluation, no checkpoint, a fresh start. Two records:
+
+- the trainer's own log, every log step: loss, lr, aux loss, tokens/s and each layer's max/mean load
+  over the whole step (`expert_load_max/<layer>`; 1 = balanced, E/K = every token picks the same K);
+- diagnostics at steps 1, 2, 3, 5, 10 and every --diag-every: one extra forward, no grad, eval mode
+  (plain top-K), on the step's first micro-batch with the weights and expert bias that step trains
+  with. Per layer: the router input's cosine to its mean row (`cos_to_mean`) and the share of its
+  energy in that mean (`mean_share`: |mean x|^2 / mean |x|^2); the cosine of that mean to the batch's
+  unigram direction (the frequency-weighted mean token embedding, `cos_mean_to_unigram`) and to the
+  previous layer's mean (`cos_mean_to_prev`); the logits' spread: `logit_common_std` (std over experts
+  of the batch-mean logit, the part every token shares), `logit_token_std` (mean over experts of the
+  logit's std over tokens, the part that differs) and `logit_range` (mean over tokens of max - min);
+  the expert bias's std and range; the layer's unweighted aux loss and max/mean load on that forward.
+
+The diagnostic forward runs the blocks' eager code (not the compiled one), and its time stays out of
+the reported throughput: `tokens_per_s_per_gpu` is the median over log intervals after the first that
+hold no diagnostic step. `--diag-every 0` turns diagnostics off. Writes
+bench/results/<date>-<device>-routing_health[-<tag>].json and prints the per-step table.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from bench.common import result_path, write_json
+from sonic.train import trainer
+from sonic.train.config import Config, register_schema, to_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+# A fresh run with nothing but training and its log; overrides given on the command line come later and win.
+DEFAULTS = ["train.eval_every=0", "train.save_every=0", "train.lm_eval_every=0", "train.resume=none",
+            "train.progress=false"]
+EARLY_DIAG_STEPS = (1, 2, 3, 5, 10)
+TARGET_FROM_STEP = 30  # the issue's targets: from this step on no layer above 4x mean; every layer <= 2x at the end
+DIAG_FIELDS = ("max_over_mean", "aux_loss", "cos_to_mean", "mean_share", "cos_mean_to_unigram", "cos_mean_to_prev",
+               "logit_common_std", "logit_token_std", "logit_range", "bias_std", "bias_range", "input_rms",
+               "attn_adds_to_mean", "ffn_adds_to_mean")
+
+
+def diag_steps(steps: int, every: int) -> list[int]:
+    if every == 0:
+        return []
+    return sorted({s for s in EARLY_DIAG_STEPS if s <= steps} | set(range(every, steps + 1, every)))
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a @ b) / (a.norm() * b.norm()).clamp_min(1e-12)
+
+
+def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, seq_len: int, unigram_D: torch.Tensor,
+                 prev_mean_D: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MoE block's DIAG_FIELDS as a tensor (no host sync), and its router input's mean row."""
+    router = block.ffn.router
+    x_TD, routed = seen["router"]
+    x = x_TD.float()
+    mean_D = x.mean(0)
+    unit = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    unit_mean = unit.mean(0)
+    cos_to_mean = (unit @ (unit_mean / unit_mean.norm().clamp_min(1e-12))).mean()
+    mean_share = mean_D.square().sum() / x.square().sum(-1).mean().clamp_min(1e-12)
+    nan = torch.full((), float("nan"), device=x.device)
+    logits_TE = router.scores(x_TD.float(), router.weight_ED.float(), seq_len).float()  # as the router computes them
+    counts = routed.topk_counts_E.float()
+    bias = router.expert_bias_E.float()
+    # what each branch adds to the mean of the residual stream, along that mean, as a share of it
+    resid_mean_D = out_BSD.float().flatten(0, 1).mean(0)
+    unit_resid = resid_mean_D / resid_mean_D.norm().clamp_min(1e-12)
+    adds = [seen[b].float().flatten(0, 1).mean(0) @ unit_resid / resid_mean_D.norm().clamp_min(1e-12)
+            for b in ("attn", "ffn")]
+    row = torch.stack([counts.max() / counts.mean(), routed.aux_loss.float(), cos_to_mean, mean_share,
+                       _cos(mean_D, unigram_D), _cos(mean_D, prev_mean_D) if prev_mean_D is not None else nan,
+                       logits_TE.mean(0).std(unbiased=False), logits_TE.std(0, unbiased=False).mean(),
+                       (logits_TE.amax(-1) - logits_TE.amin(-1)).mean(), bias.std(unbiased=False),
+                       bias.max() - bias.min(), x.square().mean().sqrt(), *adds])
+    return row, mean_D
+
+
+@torch.no_grad()
+def diagnose(model, input_ids_BS: torch.Tensor, doc_ids_BS: torch.Tensor | None) -> list[dict]:
+    """DIAG_FIELDS of every MoE layer for one batch: an eager forward in eval mode, no grad."""
+    rows: list[torch.Tensor] = []
+    prev_mean_D = None
+    unigram_V = torch.bincount(input_ids_BS.reshape(-1), minlength=model.cfg.vocab_size).float()
+    unigram_D = unigram_V @ model.embed_tokens.weight.float() / unigram_V.sum()
+    seen: dict = {}
+    blocks = [getattr(layer, "_checkpoint_wrapped_module", layer) for layer in model.layers]
+    handles = []
+    for block in blocks:
+        handles.append(block.attn.register_forward_hook(lambda m, a, out: seen.__setitem__("attn", out)))
+        if block.is_moe:
+            handles.append(block.ffn.register_forward_hook(lambda m, a, out: seen.__setitem__("ffn", out[0])))
+            handles.append(block.ffn.router.register_forward_hook(
+                lambda m, a, out: seen.__setitem__("router", (a[0], out))))
+    was_training = model.training
+    model.eval()
+    try:  # Transformer.forward's loop, calling each block's eager forward (blocks may be compiled)
+        S = input_ids_BS.shape[1]
+        mask = model.attn_core.mask(doc_ids_BS, S, input_ids_BS.device)
+        x = model.embed_tokens(input_ids_BS)
+        for block in blocks:
+            x, _ = block.forward(x, model.rotary, mask)
+            if block.is_moe:
+                row, prev_mean_D = _layer_stats(block, seen, x, S, unigram_D, prev_mean_D)
+                rows.append(row)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    values = torch.stack(rows).tolist()
+    return [{"layer": i, **dict(zip(DIAG_FIELDS, v))} for i, v in enumerate(values)]
+
+
+class DiagnosticsHook:
+    """A forward pre-hook on the model: on the first micro-batch of each diagnostic step, runs
+    `diagnose` on that batch and records it with its wall time (kept out of the throughput)."""
+
+    def __init__(self, steps: list[int], grad_accum: int):
+        self.steps, self.grad_accum = set(steps), grad_accum
+        self.calls = 0
+        self.records: list[dict] = []
+
+    def __call__(self, model, args):
+        if not model.training:
+            return
+        step, micro = divmod(self.calls, self.grad_accum)
+        self.calls += 1
+        if micro or step + 1 not in self.steps:
+            return
+        ids, doc_ids = args[0], args[1] if len(args) > 1 else None
+        sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
+        sync()  # the step's queued work is not the diagnostics' time
+        start = time.perf_counter()
+        layers = diagnose(model, ids, doc_ids)
+        sync()
+        seconds = time.perf_counter() - start
+        self.records.append({"step": step + 1, "seconds": seconds, "layers": layers})
+
+
+def summarize(history: list[dict], diags: list[dict], num_layers: int, e_over_k: float) -> dict:
+    """The issue's targets, read off the trainer's log."""
+    loads = {h["step"]: [h[f"expert_load_max/{i}"] for i in range(num_layers)] for h in history}
+    last = history[-1]
+    after = [max(v) for s, v in loads.items() if s >= TARGET_FROM_STEP]
+    diag_steps_set = {d["step"] for d in diags}
+    clean = [h["tokens_per_s_per_gpu"] for prev, h in zip(history, history[1:])
+             if not any(prev["step"] < s <= h["step"] for s in diag_steps_set)]
+    return {
+        "E/K": e_over_k,
+        f"worst_max_over_mean_from_step_{TARGET_FROM_STEP}": max(after) if after else None,
+        f"no_layer_over_4x_from_step_{TARGET_FROM_STEP}": bool(after) and max(after) <= 4.0,
+        "last_step": last["step"],
+        "worst_max_over_mean_at_last_step": max(loads[last["step"]]),
+        "layers_over_2x_at_last_step": sum(v > 2.0 for v in loads[last["step"]]),
+        "every_layer_le_2x_at_last_step": max(loads[last["step"]]) <= 2.0,
+        "loss_at_last_step": last["loss"],
+        "tokens_per_s_per_gpu": statistics.median(clean) if clean else None,
+        "tokens_per_s_per_gpu_intervals": len(clean),
+        "mem_peak_gib": max((h["mem_peak_gib"] for h in history if "mem_peak_gib" in h), default=None),
+    }
+
+
+def print_table(history: list[dict], num_layers: int, e_over_k: float) -> None:
+    print(f"{'step':>5} {'lr':>9} {'loss':>7} {'aux':>6} {'>2x':>4} {'>4x':>4} {'>8x':>4} {'worst':>6}"
+          f"  (E/K = {e_over_k:g}, {num_layers} layers)")
+    for h in history:
+        v = [h[f"expert_load_max/{i}"] for i in range(num_layers)]
+        print(f"{h['step']:5d} {h['lr']:9.2e} {h['loss']:7.3f} {h['aux_loss']:6.3f} {sum(x > 2 for x in v):4d} "
+              f"{sum(x > 4 for x in v):4d} {sum(x > 8 for x in v):4d} {max(v):6.2f}")
+
+
+def print_diagnostics(diags: list[dict]) -> None:
+    if not diags:
+        return
+    print(f"{'step':>5} {'layer':>5} " + " ".join(f"{k[:12]:>12}" for k in DIAG_FIELDS))
+    for d in diags:
+        n = len(d["layers"])
+        for row in (d["layers"][0], d["layers"][n // 2], d["layers"][-1]):
+            print(f"{d['step']:5d} {row['layer']:5d} " + " ".join(f"{row[k]:12.4g}" for k in DIAG_FIELDS))
+
+
+def run(cfg: Config, diag_every: int) -> tuple[list[dict], list[dict]]:
+    """train(cfg) with the diagnostics hook on the model it builds; (trainer history, diagnostics)."""
+    hook = DiagnosticsHook(diag_steps(cfg.train.steps, diag_every), cfg.train.grad_accum)
+    build = trainer.build_model
+
+    def build_and_hook(*args, **kwargs):
+        model = build(*args, **kwargs)
+        model.register_forward_pre_hook(hook)
+        return model
+
+    with mock.patch.object(trainer, "build_model", build_and_hook) if hook.steps else contextlib.nullcontext():
+        history = trainer.train(cfg)
+    return history, hook.records
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tag", default="", help="appended to the result file's name")
+    ap.add_argument("--diag-every", type=int, default=20, help="diagnostics every N steps (and at 1, 2, 3, 5, 10); 0: off")
+    ap.add_argument("--json", default=None, help="result path (default bench/results/<date>-<device>-routing_health[-tag].json)")
+    ap.add_argument("--run-dir", default=None, help="the trainer's run directory (default: a temporary one, removed after)")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
+    args = ap.parse_args(argv)
+    if args.diag_every < 0:
+        raise ValueError(f"--diag-every {args.diag_every} must be >= 0 (0 turns diagnostics off)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("bench.routing_health runs on one process (the issue's runs are one GPU); run it without torchrun")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    register_schema()
+    with contextlib.ExitStack() as stack:
+        run_dir = args.run_dir or stack.enter_context(tempfile.TemporaryDirectory())
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+            cfg = to_config(compose(config_name="config",
+                                    overrides=[*DEFAULTS, f"train.run_dir={run_dir}", *args.overrides]))
+        history, diags = run(cfg, args.diag_every)
+    moe = cfg.model.moe
+    num_moe = cfg.model.num_layers - cfg.model.first_k_dense
+    e_over_k = moe.num_experts / moe.top_k
+    summary = summarize(history, diags, num_moe, e_over_k)
+    print_table(history, num_moe, e_over_k)
+    print_diagnostics(diags)
+    steps = [{"step": h["step"], "lr": h["lr"], "loss": h["loss"], "aux_loss": h["aux_loss"], "z_loss": h["z_loss"],
+              "grad_norm": h["grad_norm"], "tokens_per_s_per_gpu": h["tokens_per_s_per_gpu"],
+              "max_over_mean": [h[f"expert_load_max/{i}"] for i in range(num_moe)],
+              "cv": [h[f"expert_load_cv/{i}"] for i in range(num_moe)]} for h in history]
+    what = "routing_health" + (f"-{args.tag}" if args.tag else "")
+    path = write_json(result_path(what, args.json), {
+        "overrides": args.overrides, "model": cfg.model.name, "num_layers": cfg.model.num_layers,
+        "routing": vars(moe.routing), "micro_batch": [cfg.train.micro_batch_size, cfg.train.seq_len],
+        "summary": summary, "steps": steps, "diagnostics": diags})
+    for k, v in summary.items():
+        print(f"{k:>40}: {v}")
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
