@@ -4,6 +4,8 @@ and they leave training unchanged."""
 import json
 import math
 
+import pytest
+
 from bench import routing_health
 
 LAYERS, STEPS = 3, 6
@@ -35,6 +37,9 @@ def test_routing_health_bench_writes_the_curve_and_the_diagnostics(tmp_path):
     assert all(row["bias_range"] == 0 for row in first)  # step 1 routes with the initial (zero) expert bias
     assert all(row["bias_range"] > 0 for row in later)  # step 6 with the bias of 5 updates
     assert math.isnan(first[0]["cos_mean_to_prev"]) and all(math.isfinite(r["cos_mean_to_prev"]) for r in first[1:])
+    assert all(math.isnan(r["mean_step_change"]) and r["mean_half_gap"] > 0 for r in first)
+    assert all(math.isfinite(r["mean_step_change"]) for r in later)
+    assert any(r["attn_adds_to_mean"] != 0 for r in later)  # attention's o_proj (zero at init) has grown
     summary = result["summary"]
     assert summary["last_step"] == STEPS and summary["E/K"] == 4
     assert summary["worst_max_over_mean_at_last_step"] == max(result["steps"][-1]["max_over_mean"])
@@ -45,6 +50,14 @@ def test_routing_health_bench_writes_the_curve_and_the_diagnostics(tmp_path):
     assert plain["diagnostics"] == []
     assert [s["loss"] for s in plain["steps"]] == [s["loss"] for s in result["steps"]]
     assert [s["max_over_mean"] for s in plain["steps"]] == [s["max_over_mean"] for s in result["steps"]]
+
+
+def test_frozen_attention_output_adds_nothing(tmp_path):
+    result = run(tmp_path, "frozen", "--diag-every", "2", "--freeze", "attn.o_proj.weight")
+    assert result["frozen"] == ["attn.o_proj.weight"]
+    assert all(r["attn_adds_to_mean"] == 0 for d in result["diagnostics"] for r in d["layers"])
+    with pytest.raises(ValueError, match="--freeze"):
+        run(tmp_path, "typo", "--freeze", "o_projection")
 
 
 def test_summary_reads_the_issue_targets():
