@@ -177,12 +177,15 @@ def summarize(history: list[dict], diags: list[dict], num_layers: int, e_over_k:
     """The issue's targets, read off the trainer's log."""
     loads = {h["step"]: [h[f"expert_load_max/{i}"] for i in range(num_layers)] for h in history}
     last = history[-1]
+    before = [max(v) for s, v in loads.items() if s < TARGET_FROM_STEP]
     after = [max(v) for s, v in loads.items() if s >= TARGET_FROM_STEP]
+    late_losses = [h["loss"] for h in history if h["step"] >= TARGET_FROM_STEP]
     diag_steps_set = {d["step"] for d in diags}
     clean = [h["tokens_per_s_per_gpu"] for prev, h in zip(history, history[1:])
              if not any(prev["step"] < s <= h["step"] for s in diag_steps_set)]
     return {
         "E/K": e_over_k,
+        f"worst_max_over_mean_before_step_{TARGET_FROM_STEP}": max(before) if before else None,
         f"worst_max_over_mean_from_step_{TARGET_FROM_STEP}": max(after) if after else None,
         f"no_layer_over_4x_from_step_{TARGET_FROM_STEP}": bool(after) and max(after) <= 4.0,
         "last_step": last["step"],
@@ -190,6 +193,7 @@ def summarize(history: list[dict], diags: list[dict], num_layers: int, e_over_k:
         "layers_over_2x_at_last_step": sum(v > 2.0 for v in loads[last["step"]]),
         "every_layer_le_2x_at_last_step": max(loads[last["step"]]) <= 2.0,
         "loss_at_last_step": last["loss"],
+        f"loss_mean_from_step_{TARGET_FROM_STEP}": statistics.fmean(late_losses) if late_losses else None,  # less noisy
         "tokens_per_s_per_gpu": statistics.median(clean) if clean else None,
         "tokens_per_s_per_gpu_intervals": len(clean),
         "mem_peak_gib": max((h["mem_peak_gib"] for h in history if "mem_peak_gib" in h), default=None),

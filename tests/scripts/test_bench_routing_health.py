@@ -68,6 +68,8 @@ def test_summary_reads_the_issue_targets():
     history = [step(10, [9.0, 1.0]), step(20, [3.0, 1.0]), step(30, [4.5, 1.5]), step(40, [1.9, 2.1])]
     s = routing_health.summarize(history, diags=[{"step": 20}], num_layers=2, e_over_k=16)
     assert s["worst_max_over_mean_from_step_30"] == 4.5 and not s["no_layer_over_4x_from_step_30"]
+    assert s["worst_max_over_mean_before_step_30"] == 9.0
+    assert s["loss_mean_from_step_30"] == pytest.approx((6.7 + 6.6) / 2)
     assert s["layers_over_2x_at_last_step"] == 1 and not s["every_layer_le_2x_at_last_step"]
     assert s["loss_at_last_step"] == 6.6
     # throughput: intervals after the first that hold no diagnostic step: (20, 30] and (30, 40]
