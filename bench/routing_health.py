@@ -73,7 +73,8 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a @ b) / (a.norm() * b.norm()).clamp_min(1e-12)
 
 
-def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, unigram_D: torch.Tensor, prev_layer_mean_D: torch.Tensor | None,
+def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, unigram_D: torch.Tensor,
+                 prev_layer_mean_D: torch.Tensor | None,
                  prev_step_mean_D: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One MoE block's DIAG_FIELDS as a tensor (no host sync), and its router input's mean row."""
     router = block.ffn.router
@@ -242,9 +243,12 @@ def run(cfg: Config, diag_every: int, freeze: tuple[str, ...] = ()) -> tuple[lis
 def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tag", default="", help="appended to the result file's name")
-    ap.add_argument("--diag-every", type=int, default=20, help="diagnostics every N steps (and at 1, 2, 3, 5, 10); 0: off")
-    ap.add_argument("--json", default=None, help="result path (default bench/results/<date>-<device>-routing_health[-tag].json)")
-    ap.add_argument("--run-dir", default=None, help="the trainer's run directory (default: a temporary one, removed after)")
+    ap.add_argument("--diag-every", type=int, default=20,
+                    help="diagnostics every N steps (and at 1, 2, 3, 5, 10); 0: off")
+    ap.add_argument("--json", default=None,
+                    help="result path (default bench/results/<date>-<device>-routing_health[-tag].json)")
+    ap.add_argument("--run-dir", default=None,
+                    help="the trainer's run directory (default: a temporary one, removed after)")
     ap.add_argument("--freeze", action="append", default=[], metavar="SUFFIX",
                     help="diagnosis only: keep the parameters whose names end with SUFFIX at their initial values "
                          "(e.g. attn.o_proj.weight: attention adds nothing to the residual stream); repeatable")
@@ -253,7 +257,8 @@ def main(argv=None) -> Path:
     if args.diag_every < 0:
         raise ValueError(f"--diag-every {args.diag_every} must be >= 0 (0 turns diagnostics off)")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("bench.routing_health runs on one process (the issue's runs are one GPU); run it without torchrun")
+        raise ValueError("bench.routing_health runs on one process (the issue's runs are one GPU); "
+                         "run it without torchrun")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     register_schema()
     with contextlib.ExitStack() as stack:

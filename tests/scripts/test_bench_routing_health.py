@@ -9,7 +9,8 @@ import pytest
 from bench import routing_health
 
 LAYERS, STEPS = 3, 6
-TINY = [f"model.num_layers={LAYERS}", "model.moe.routing.bias_update_rate=0.01", "model.moe.routing.input_centring=prefix",
+TINY = [f"model.num_layers={LAYERS}", "model.moe.routing.bias_update_rate=0.01",
+        "model.moe.routing.input_centring=prefix",
         f"train.steps={STEPS}", "train.log_every=2", "train.grad_accum=2", "train.micro_batch_size=2",
         "train.seq_len=32", "data=embedded"]
 
