@@ -26,6 +26,10 @@
 #   ep         expert parallelism vs FSDP alone on every visible GPU: sonic_7b cut to $EP_LAYERS layers at
 #              ep=1,2 on local BPE text, then $FIRST_STEP_MODEL cut to $FIRST_STEP_LAYERS at ep=2 on the
 #              embedded corpus (python -m bench.expert_parallel)
+#   routing    issue #30: sonic_7b cut to each of $ROUTING_LAYERS (default 16) layers on the local BPE data,
+#              100 steps, the cosine peak at step 20, one run per arm of $ROUTING_ARMS (default "topk-prefix
+#              topk-none": routing group - routing.input_centring), each layer's load curve and the router
+#              diagnostics (python -m bench.routing_health; bench/results/<date>-<gpu>-routing_health-<L>L-<arm>.json)
 #
 # What the GPU image lacks travels in ignored folders named in the call's `carry`:
 #   .whl   wheels: hydra-core, omegaconf, antlr4-python3-runtime (needed), liger-kernel and
@@ -107,7 +111,16 @@ run_stage() {
           -m bench.expert_parallel --eps "$3" --json "$OUT/expert_parallel-$1.json" model="$1" model.num_layers="$2" \
           train.micro_batch_size="$4" data="$5" 2>&1 | grep -v Warning | tee "$OUT/expert_parallel-$1.log" | tail -12
       done ;;
-    *) echo "unknown stage $1 (smoke | tests | levers | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | fuzz | ep)" >&2
+    routing)  # the first run on a fresh machine also builds the local BPE data (a minute or two)
+      for layers in ${ROUTING_LAYERS:-16}; do
+        for arm in ${ROUTING_ARMS:-topk-prefix topk-none}; do
+          timeout "${ROUTING_S:-540}" python3 -m bench.routing_health --tag "${layers}L-$arm" experiment=sonic_7b \
+            data=local_bpe optim.warmup_steps=20 train.steps=100 model.num_layers="$layers" \
+            model.moe.kernel_backend=triton routing="${arm%-*}" model.moe.routing.input_centring="${arm#*-}" 2>&1 \
+            | grep -v Warning | tee "$OUT/routing_health-${layers}L-$arm.log" | tail -30
+        done
+      done ;;
+    *) echo "unknown stage $1 (smoke | tests | levers | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | fuzz | ep | routing)" >&2
        return 2 ;;
   esac
 }

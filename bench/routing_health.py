@@ -10,13 +10,22 @@ a Hydra override, as for train.py. No evaluation, no checkpoint, a fresh start. 
   over the whole step (`expert_load_max/<layer>`; 1 = balanced, E/K = every token picks the same K);
 - diagnostics at steps 1, 2, 3, 5, 10 and every --diag-every: one extra forward, no grad, eval mode
   (plain top-K), on the step's first micro-batch with the weights and expert bias that step trains
-  with. Per layer: the router input's cosine to its mean row (`cos_to_mean`) and the share of its
-  energy in that mean (`mean_share`: |mean x|^2 / mean |x|^2); the cosine of that mean to the batch's
-  unigram direction (the frequency-weighted mean token embedding, `cos_mean_to_unigram`) and to the
-  previous layer's mean (`cos_mean_to_prev`); the logits' spread: `logit_common_std` (std over experts
-  of the batch-mean logit, the part every token shares), `logit_token_std` (mean over experts of the
-  logit's std over tokens, the part that differs) and `logit_range` (mean over tokens of max - min);
-  the expert bias's std and range; the layer's unweighted aux loss and max/mean load on that forward.
+  with. Per layer, of the router's input x: `cos_to_mean` (each row's cosine to the mean row) and
+  `mean_share` (|mean x|^2 / mean |x|^2: the share of its energy that every token shares);
+  `mean_half_gap` (|mean of the first half of the sequences - mean of the second half| / |mean|) and
+  `mean_step_change` (|mean - the mean at the previous diagnostic step| / |mean|): whether the shared
+  vector is global and still or per sequence and moving; its cosine to the batch's unigram direction
+  (the frequency-weighted mean token embedding, `cos_mean_to_unigram`) and to the previous layer's
+  mean (`cos_mean_to_prev`); the logits as the router computes them (routing.input_centring
+  included): `logit_common_std` (std over experts of the batch-mean logit: the part every token
+  shares), `logit_token_std` (mean over experts of the std over tokens: the part that differs) and
+  `logit_range` (mean over tokens of max - min); the expert bias's std and range; the layer's
+  unweighted aux loss and max/mean load on that forward; `attn_adds_to_mean` and `ffn_adds_to_mean`:
+  the share of the residual stream's mean (after the block) that the block's attention and MoE
+  branches added, along that mean: who writes the shared vector.
+
+`--freeze attn.o_proj.weight` (diagnosis only) keeps those parameters at their initial values (zero:
+attention then adds nothing to the residual stream).
 
 The diagnostic forward runs the blocks' eager code (not the compiled one), and its time stays out of
 the reported throughput: `tokens_per_s_per_gpu` is the median over log intervals after the first that
@@ -48,7 +57,8 @@ DEFAULTS = ["train.eval_every=0", "train.save_every=0", "train.lm_eval_every=0",
             "train.progress=false"]
 EARLY_DIAG_STEPS = (1, 2, 3, 5, 10)
 TARGET_FROM_STEP = 30  # the issue's targets: from this step on no layer above 4x mean; every layer <= 2x at the end
-DIAG_FIELDS = ("max_over_mean", "aux_loss", "cos_to_mean", "mean_share", "cos_mean_to_unigram", "cos_mean_to_prev",
+DIAG_FIELDS = ("max_over_mean", "aux_loss", "cos_to_mean", "mean_share", "mean_half_gap", "mean_step_change",
+               "cos_mean_to_unigram", "cos_mean_to_prev",
                "logit_common_std", "logit_token_std", "logit_range", "bias_std", "bias_range", "input_rms",
                "attn_adds_to_mean", "ffn_adds_to_mean")
 
@@ -63,19 +73,26 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a @ b) / (a.norm() * b.norm()).clamp_min(1e-12)
 
 
-def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, seq_len: int, unigram_D: torch.Tensor,
-                 prev_mean_D: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, unigram_D: torch.Tensor,
+                 prev_layer_mean_D: torch.Tensor | None,
+                 prev_step_mean_D: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One MoE block's DIAG_FIELDS as a tensor (no host sync), and its router input's mean row."""
     router = block.ffn.router
     x_TD, routed = seen["router"]
+    B, S, D = out_BSD.shape
     x = x_TD.float()
     mean_D = x.mean(0)
+    nan = torch.full((), float("nan"), device=x.device)
+    # how much the mean differs between the batch's two halves of sequences, and since the last diagnostic step
+    halves = x.view(B, S, D)[: B // 2 * 2].view(2, -1, D).mean(1) if B >= 2 else None
+    half_gap = (halves[0] - halves[1]).norm() / mean_D.norm().clamp_min(1e-12) if halves is not None else nan
+    step_change = ((mean_D - prev_step_mean_D).norm() / mean_D.norm().clamp_min(1e-12)
+                   if prev_step_mean_D is not None else nan)
     unit = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     unit_mean = unit.mean(0)
     cos_to_mean = (unit @ (unit_mean / unit_mean.norm().clamp_min(1e-12))).mean()
     mean_share = mean_D.square().sum() / x.square().sum(-1).mean().clamp_min(1e-12)
-    nan = torch.full((), float("nan"), device=x.device)
-    logits_TE = router.scores(x_TD.float(), router.weight_ED.float(), seq_len).float()  # as the router computes them
+    logits_TE = router.scores(x_TD.float(), router.weight_ED.float(), S).float()  # as the router computes them
     counts = routed.topk_counts_E.float()
     bias = router.expert_bias_E.float()
     # what each branch adds to the mean of the residual stream, along that mean, as a share of it
@@ -84,7 +101,8 @@ def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, seq_len: int, unigram
     adds = [seen[b].float().flatten(0, 1).mean(0) @ unit_resid / resid_mean_D.norm().clamp_min(1e-12)
             for b in ("attn", "ffn")]
     row = torch.stack([counts.max() / counts.mean(), routed.aux_loss.float(), cos_to_mean, mean_share,
-                       _cos(mean_D, unigram_D), _cos(mean_D, prev_mean_D) if prev_mean_D is not None else nan,
+                       half_gap, step_change, _cos(mean_D, unigram_D),
+                       _cos(mean_D, prev_layer_mean_D) if prev_layer_mean_D is not None else nan,
                        logits_TE.mean(0).std(unbiased=False), logits_TE.std(0, unbiased=False).mean(),
                        (logits_TE.amax(-1) - logits_TE.amin(-1)).mean(), bias.std(unbiased=False),
                        bias.max() - bias.min(), x.square().mean().sqrt(), *adds])
@@ -92,10 +110,11 @@ def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, seq_len: int, unigram
 
 
 @torch.no_grad()
-def diagnose(model, input_ids_BS: torch.Tensor, doc_ids_BS: torch.Tensor | None) -> list[dict]:
-    """DIAG_FIELDS of every MoE layer for one batch: an eager forward in eval mode, no grad."""
-    rows: list[torch.Tensor] = []
-    prev_mean_D = None
+def diagnose(model, input_ids_BS: torch.Tensor, doc_ids_BS: torch.Tensor | None,
+             prev_step_means: list[torch.Tensor] | None = None) -> tuple[list[dict], list[torch.Tensor]]:
+    """DIAG_FIELDS of every MoE layer for one batch (an eager forward in eval mode, no grad), and each
+    layer's mean router input (pass them back as prev_step_means at the next diagnostic step)."""
+    rows, means = [], []
     unigram_V = torch.bincount(input_ids_BS.reshape(-1), minlength=model.cfg.vocab_size).float()
     unigram_D = unigram_V @ model.embed_tokens.weight.float() / unigram_V.sum()
     seen: dict = {}
@@ -116,14 +135,16 @@ def diagnose(model, input_ids_BS: torch.Tensor, doc_ids_BS: torch.Tensor | None)
         for block in blocks:
             x, _ = block.forward(x, model.rotary, mask)
             if block.is_moe:
-                row, prev_mean_D = _layer_stats(block, seen, x, S, unigram_D, prev_mean_D)
+                row, mean_D = _layer_stats(block, seen, x, unigram_D, means[-1] if means else None,
+                                           prev_step_means[len(means)] if prev_step_means else None)
                 rows.append(row)
+                means.append(mean_D)
     finally:
         model.train(was_training)
         for h in handles:
             h.remove()
     values = torch.stack(rows).tolist()
-    return [{"layer": i, **dict(zip(DIAG_FIELDS, v))} for i, v in enumerate(values)]
+    return [{"layer": i, **dict(zip(DIAG_FIELDS, v))} for i, v in enumerate(values)], means
 
 
 class DiagnosticsHook:
@@ -134,6 +155,7 @@ class DiagnosticsHook:
         self.steps, self.grad_accum = set(steps), grad_accum
         self.calls = 0
         self.records: list[dict] = []
+        self.means: list[torch.Tensor] | None = None  # each layer's mean router input at the last diagnostic step
 
     def __call__(self, model, args):
         if not model.training:
@@ -146,7 +168,7 @@ class DiagnosticsHook:
         sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
         sync()  # the step's queued work is not the diagnostics' time
         start = time.perf_counter()
-        layers = diagnose(model, ids, doc_ids)
+        layers, self.means = diagnose(model, ids, doc_ids, self.means)
         sync()
         seconds = time.perf_counter() - start
         self.records.append({"step": step + 1, "seconds": seconds, "layers": layers})
@@ -156,12 +178,15 @@ def summarize(history: list[dict], diags: list[dict], num_layers: int, e_over_k:
     """The issue's targets, read off the trainer's log."""
     loads = {h["step"]: [h[f"expert_load_max/{i}"] for i in range(num_layers)] for h in history}
     last = history[-1]
+    before = [max(v) for s, v in loads.items() if s < TARGET_FROM_STEP]
     after = [max(v) for s, v in loads.items() if s >= TARGET_FROM_STEP]
+    late_losses = [h["loss"] for h in history if h["step"] >= TARGET_FROM_STEP]
     diag_steps_set = {d["step"] for d in diags}
     clean = [h["tokens_per_s_per_gpu"] for prev, h in zip(history, history[1:])
              if not any(prev["step"] < s <= h["step"] for s in diag_steps_set)]
     return {
         "E/K": e_over_k,
+        f"worst_max_over_mean_before_step_{TARGET_FROM_STEP}": max(before) if before else None,
         f"worst_max_over_mean_from_step_{TARGET_FROM_STEP}": max(after) if after else None,
         f"no_layer_over_4x_from_step_{TARGET_FROM_STEP}": bool(after) and max(after) <= 4.0,
         "last_step": last["step"],
@@ -169,6 +194,7 @@ def summarize(history: list[dict], diags: list[dict], num_layers: int, e_over_k:
         "layers_over_2x_at_last_step": sum(v > 2.0 for v in loads[last["step"]]),
         "every_layer_le_2x_at_last_step": max(loads[last["step"]]) <= 2.0,
         "loss_at_last_step": last["loss"],
+        f"loss_mean_from_step_{TARGET_FROM_STEP}": statistics.fmean(late_losses) if late_losses else None,  # less noisy
         "tokens_per_s_per_gpu": statistics.median(clean) if clean else None,
         "tokens_per_s_per_gpu_intervals": len(clean),
         "mem_peak_gib": max((h["mem_peak_gib"] for h in history if "mem_peak_gib" in h), default=None),
@@ -194,17 +220,22 @@ def print_diagnostics(diags: list[dict]) -> None:
             print(f"{d['step']:5d} {row['layer']:5d} " + " ".join(f"{row[k]:12.4g}" for k in DIAG_FIELDS))
 
 
-def run(cfg: Config, diag_every: int) -> tuple[list[dict], list[dict]]:
-    """train(cfg) with the diagnostics hook on the model it builds; (trainer history, diagnostics)."""
+def run(cfg: Config, diag_every: int, freeze: tuple[str, ...] = ()) -> tuple[list[dict], list[dict]]:
+    """train(cfg) with the diagnostics hook on the model it builds, and the parameters whose names end
+    with one of `freeze` kept at their initial values; (trainer history, diagnostics)."""
     hook = DiagnosticsHook(diag_steps(cfg.train.steps, diag_every), cfg.train.grad_accum)
     build = trainer.build_model
 
     def build_and_hook(*args, **kwargs):
         model = build(*args, **kwargs)
-        model.register_forward_pre_hook(hook)
+        frozen = [p.requires_grad_(False) for name, p in model.named_parameters() if name.endswith(freeze)]
+        if freeze and not frozen:
+            raise ValueError(f"--freeze {' '.join(freeze)}: no parameter name ends with it (e.g. attn.o_proj.weight)")
+        if hook.steps:
+            model.register_forward_pre_hook(hook)
         return model
 
-    with mock.patch.object(trainer, "build_model", build_and_hook) if hook.steps else contextlib.nullcontext():
+    with mock.patch.object(trainer, "build_model", build_and_hook):
         history = trainer.train(cfg)
     return history, hook.records
 
@@ -212,15 +243,22 @@ def run(cfg: Config, diag_every: int) -> tuple[list[dict], list[dict]]:
 def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tag", default="", help="appended to the result file's name")
-    ap.add_argument("--diag-every", type=int, default=20, help="diagnostics every N steps (and at 1, 2, 3, 5, 10); 0: off")
-    ap.add_argument("--json", default=None, help="result path (default bench/results/<date>-<device>-routing_health[-tag].json)")
-    ap.add_argument("--run-dir", default=None, help="the trainer's run directory (default: a temporary one, removed after)")
+    ap.add_argument("--diag-every", type=int, default=20,
+                    help="diagnostics every N steps (and at 1, 2, 3, 5, 10); 0: off")
+    ap.add_argument("--json", default=None,
+                    help="result path (default bench/results/<date>-<device>-routing_health[-tag].json)")
+    ap.add_argument("--run-dir", default=None,
+                    help="the trainer's run directory (default: a temporary one, removed after)")
+    ap.add_argument("--freeze", action="append", default=[], metavar="SUFFIX",
+                    help="diagnosis only: keep the parameters whose names end with SUFFIX at their initial values "
+                         "(e.g. attn.o_proj.weight: attention adds nothing to the residual stream); repeatable")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = ap.parse_args(argv)
     if args.diag_every < 0:
         raise ValueError(f"--diag-every {args.diag_every} must be >= 0 (0 turns diagnostics off)")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("bench.routing_health runs on one process (the issue's runs are one GPU); run it without torchrun")
+        raise ValueError("bench.routing_health runs on one process (the issue's runs are one GPU); "
+                         "run it without torchrun")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     register_schema()
     with contextlib.ExitStack() as stack:
@@ -228,7 +266,7 @@ def main(argv=None) -> Path:
         with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
             cfg = to_config(compose(config_name="config",
                                     overrides=[*DEFAULTS, f"train.run_dir={run_dir}", *args.overrides]))
-        history, diags = run(cfg, args.diag_every)
+        history, diags = run(cfg, args.diag_every, tuple(args.freeze))
     moe = cfg.model.moe
     num_moe = cfg.model.num_layers - cfg.model.first_k_dense
     e_over_k = moe.num_experts / moe.top_k
@@ -241,7 +279,7 @@ def main(argv=None) -> Path:
               "cv": [h[f"expert_load_cv/{i}"] for i in range(num_moe)]} for h in history]
     what = "routing_health" + (f"-{args.tag}" if args.tag else "")
     path = write_json(result_path(what, args.json), {
-        "overrides": args.overrides, "model": cfg.model.name, "num_layers": cfg.model.num_layers,
+        "overrides": args.overrides, "frozen": args.freeze, "model": cfg.model.name, "num_layers": cfg.model.num_layers,
         "routing": vars(moe.routing), "micro_batch": [cfg.train.micro_batch_size, cfg.train.seq_len],
         "summary": summary, "steps": steps, "diagnostics": diags})
     for k, v in summary.items():

@@ -8,11 +8,11 @@ prefix  logits = W c / rms(c), c_t = x_t - mean(x_s for the earlier positions s 
 
 Why (docs/routing.md, section 3): at a high learning rate attention's output projection grows, and
 attention, which averages its values over the causal prefix, adds nearly the same vector to every
-position of a sequence, in every layer. Deep layers' hidden states become that shared vector (90-98%
-of their energy on the CPU reproduction) plus a small token part, so the part of the logits that every
-token of a sequence shares decides their top-K: all of them go to the same K experts. The vector
-differs between sequences and moves by 10-20% a step, so a running mean over past batches cannot
-remove it; the causal prefix mean, the same kind of average that attention takes, does. The rescale
+position of a sequence, in every layer. Deep layers' hidden states become mostly that shared vector
+plus a small token part, so the part of the logits that every token of a sequence shares decides their
+top-K: all of them go to the same K experts. The vector differs between sequences and moves a large
+fraction of its norm between steps, so a running mean over past batches cannot remove it; the causal
+prefix mean, the same kind of average that attention takes, does. The rescale
 to unit RMS keeps the logits' scale whatever the share of the shared vector.
 
 Both read only earlier positions of the same sequence, so a token's route never depends on the

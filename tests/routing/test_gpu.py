@@ -61,3 +61,13 @@ def test_token_rounding_syncs_once(cfg):
     router = _router(cfg, "cuda")
     x = torch.randn(4096, 64, device="cuda")
     assert _syncs(lambda: router(x)) == 1
+
+
+def test_prefix_centring_matches_cpu_and_never_syncs():
+    cfg = dict(method="topk", input_centring="prefix")
+    x = torch.randn(4 * 256, 64, generator=torch.Generator().manual_seed(1))
+    cpu, gpu = _router(cfg, "cpu"), _router(cfg, "cuda")
+    torch.testing.assert_close(gpu.scores(x.cuda(), gpu.weight_ED, 256).cpu(), cpu.scores(x, cpu.weight_ED, 256),
+                               rtol=1e-4, atol=1e-4)
+    x = x.cuda().requires_grad_()
+    assert _syncs(lambda: gpu(x, 256)) == 0

@@ -4,10 +4,13 @@ and they leave training unchanged."""
 import json
 import math
 
+import pytest
+
 from bench import routing_health
 
 LAYERS, STEPS = 3, 6
-TINY = [f"model.num_layers={LAYERS}", "model.moe.routing.bias_update_rate=0.01", "model.moe.routing.input_centring=prefix",
+TINY = [f"model.num_layers={LAYERS}", "model.moe.routing.bias_update_rate=0.01",
+        "model.moe.routing.input_centring=prefix",
         f"train.steps={STEPS}", "train.log_every=2", "train.grad_accum=2", "train.micro_batch_size=2",
         "train.seq_len=32", "data=embedded"]
 
@@ -35,6 +38,9 @@ def test_routing_health_bench_writes_the_curve_and_the_diagnostics(tmp_path):
     assert all(row["bias_range"] == 0 for row in first)  # step 1 routes with the initial (zero) expert bias
     assert all(row["bias_range"] > 0 for row in later)  # step 6 with the bias of 5 updates
     assert math.isnan(first[0]["cos_mean_to_prev"]) and all(math.isfinite(r["cos_mean_to_prev"]) for r in first[1:])
+    assert all(math.isnan(r["mean_step_change"]) and r["mean_half_gap"] > 0 for r in first)
+    assert all(math.isfinite(r["mean_step_change"]) for r in later)
+    assert any(r["attn_adds_to_mean"] != 0 for r in later)  # attention's o_proj (zero at init) has grown
     summary = result["summary"]
     assert summary["last_step"] == STEPS and summary["E/K"] == 4
     assert summary["worst_max_over_mean_at_last_step"] == max(result["steps"][-1]["max_over_mean"])
@@ -47,6 +53,14 @@ def test_routing_health_bench_writes_the_curve_and_the_diagnostics(tmp_path):
     assert [s["max_over_mean"] for s in plain["steps"]] == [s["max_over_mean"] for s in result["steps"]]
 
 
+def test_frozen_attention_output_adds_nothing(tmp_path):
+    result = run(tmp_path, "frozen", "--diag-every", "2", "--freeze", "attn.o_proj.weight")
+    assert result["frozen"] == ["attn.o_proj.weight"]
+    assert all(r["attn_adds_to_mean"] == 0 for d in result["diagnostics"] for r in d["layers"])
+    with pytest.raises(ValueError, match="--freeze"):
+        run(tmp_path, "typo", "--freeze", "o_projection")
+
+
 def test_summary_reads_the_issue_targets():
     def step(n, loads):
         return {"step": n, "loss": 7.0 - n / 100, "tokens_per_s_per_gpu": 1000.0 + n,
@@ -55,6 +69,8 @@ def test_summary_reads_the_issue_targets():
     history = [step(10, [9.0, 1.0]), step(20, [3.0, 1.0]), step(30, [4.5, 1.5]), step(40, [1.9, 2.1])]
     s = routing_health.summarize(history, diags=[{"step": 20}], num_layers=2, e_over_k=16)
     assert s["worst_max_over_mean_from_step_30"] == 4.5 and not s["no_layer_over_4x_from_step_30"]
+    assert s["worst_max_over_mean_before_step_30"] == 9.0
+    assert s["loss_mean_from_step_30"] == pytest.approx((6.7 + 6.6) / 2)
     assert s["layers_over_2x_at_last_step"] == 1 and not s["every_layer_le_2x_at_last_step"]
     assert s["loss_at_last_step"] == 6.6
     # throughput: intervals after the first that hold no diagnostic step: (20, 30] and (30, 40]
