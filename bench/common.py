@@ -46,8 +46,11 @@ def result_path(what: str, explicit: str | None = None) -> Path:
 
 
 def git_commit() -> str:
-    """The commit this tree is: git's short HEAD where this checkout is a git repository; else $SONIC_COMMIT
-    (the GPU machine gets a copy of the working tree without .git); else "unknown"."""
+    """The commit this tree is: $SONIC_COMMIT where it is set (the GPU machine gets a copy of the working tree,
+    and a .git it may carry is not the copy's: one recorded the session's first commit for every run); else
+    git's short HEAD where this checkout is a git repository; else "unknown"."""
+    if os.environ.get("SONIC_COMMIT"):
+        return os.environ["SONIC_COMMIT"]
     try:
         proc = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=REPO,
                               capture_output=True, text=True)
@@ -56,7 +59,7 @@ def git_commit() -> str:
         top, head = "", ""
     if top and Path(top).resolve() == REPO:  # not the commit of some repository around a copy
         return head
-    return os.environ.get("SONIC_COMMIT") or "unknown"
+    return "unknown"
 
 
 def write_json(path: Path, payload: dict) -> Path:

@@ -1,5 +1,6 @@
-"""bench.common.write_json records the commit the numbers were measured at: git's HEAD in a checkout,
-$SONIC_COMMIT on a machine given a copy of the tree without .git, else "unknown"; a payload's own wins."""
+"""bench.common.write_json records the commit the numbers were measured at: $SONIC_COMMIT where it is set (the
+GPU machine's copy of the tree may carry a stale .git), else git's HEAD in a checkout, else "unknown"; a
+payload's own wins."""
 import json
 import shutil
 import subprocess
@@ -25,11 +26,19 @@ def written(tmp_path, payload=None) -> dict:
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_a_checkout_records_its_head(tmp_path, monkeypatch):
-    monkeypatch.setenv("SONIC_COMMIT", "fromenv")  # git wins where it works
+    monkeypatch.delenv("SONIC_COMMIT", raising=False)
     monkeypatch.delenv("OUT", raising=False)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=common.REPO, capture_output=True,
                           text=True, check=True).stdout.strip()
     assert written(tmp_path)["commit"] == head
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_environment_names_the_commit_over_a_checkouts_head(tmp_path, monkeypatch):
+    """On the GPU machine the copy carried the session's first .git: its HEAD was not the tree that ran."""
+    monkeypatch.setenv("SONIC_COMMIT", "fromenv")
+    monkeypatch.delenv("OUT", raising=False)
+    assert written(tmp_path)["commit"] == "fromenv"
 
 
 def test_without_git_the_environment_names_the_commit(tmp_path, monkeypatch, no_git_here):
