@@ -29,7 +29,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from bench.common import median_ms, profiled, result_path, write_json
 from sonic.models import Transformer, flops_per_token
@@ -71,9 +70,9 @@ def fp32_router_gemm(enabled: bool):
         return
     original = Router.forward
 
-    def forward(self, x_TD):
+    def forward(self, x_TD, seq_len=None):
         with torch.autocast(x_TD.device.type, enabled=False):
-            logits = F.linear(x_TD.float(), self.weight_ED.float())
+            logits = self.scores(x_TD.float(), self.weight_ED.float(), seq_len)
         return self.route(logits)
 
     Router.forward = forward

@@ -21,7 +21,10 @@ bench/results/<date>-<gpu>-moe_block.json:
                       included unless the triton / cute (SONIC_CUTE_CACHE_DIR) disk caches hold it
   check               relative error of O, dX, dW1, dW2 and the router's dW vs the same block on
                       the reference backend (same bf16 weights, same routing); official_err_out
-                      is the official output's
+                      is the official output's, where the block routes as the official layer does
+                      (top-K, then softmax, on the raw router input); null for a --model whose
+                      routing differs (sonic_7b centres the router's input: the block does that
+                      work too, and its picks differ)
 
 The official layer compiles and autotunes for 90-520 s per shape on its first call, so the
 twelve configs with it do not fit one 10-minute call: --budget-s stops before the next config
@@ -86,12 +89,17 @@ def sonic_block(p: Problem, cfg):
     return moe
 
 
-def block_forward(moe, x_TD, autocast: bool):
-    """forward() -> (out_TD, router loss), as the trainer calls the block (bf16 autocast on a GPU)."""
+def block_forward(moe, x_TD, autocast: bool, seq_len: int):
+    """forward() -> (out_TD, router loss), as the trainer calls the block (bf16 autocast on a GPU): on
+    sequences of seq_len tokens (one sequence of T where seq_len does not divide T), which the router's
+    input centring reads."""
+    T, D = x_TD.shape
+    S = seq_len if T % seq_len == 0 else T
+
     def forward():
         with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            out_TD, routed = moe(x_TD)
-        return out_TD, routed.loss
+            out_BSD, routed = moe(x_TD.view(T // S, S, D))
+        return out_BSD.view(T, D), routed.loss
 
     return forward
 
@@ -166,10 +174,10 @@ def setup_official(official, p: Problem, aux_coef: float, cuda: bool) -> dict:
     return off
 
 
-def block_grads(moe, p: Problem, autocast: bool) -> dict:
+def block_grads(moe, p: Problem, autocast: bool, seq_len: int) -> dict:
     x_TD = p.x.detach().clone().requires_grad_()
     moe.zero_grad(set_to_none=True)
-    out_TD, loss = block_forward(moe, x_TD, autocast)()
+    out_TD, loss = block_forward(moe, x_TD, autocast, seq_len)()
     torch.autograd.backward([out_TD, loss], [p.dout, None])
     grads = {"out": out_TD.detach(), "dx": x_TD.grad, "dw1": moe.w1_EFD.grad, "dw2": moe.w2_EDN.grad,
              "drouter": moe.router.weight_ED.grad}
@@ -190,7 +198,9 @@ def run_block_config(name, shape, backends, official, args, done, emit) -> None:
         return
     p = Problem(*shape, device=args.device)
     cuda = p.device.type == "cuda"
-    aux_coef = block_moe_config(args.model, shape, "reference").routing.aux_loss_coef
+    routing = block_moe_config(args.model, shape, "reference").routing
+    aux_coef = routing.aux_loss_coef
+    routes_as_official = (routing.method, routing.order, routing.input_centring) == ("topk", "topk_softmax", "none")
     ref = None
     off, off_err = None, None
     if official is not None:
@@ -208,15 +218,15 @@ def run_block_config(name, shape, backends, official, args, done, emit) -> None:
             if backend.endswith(COMPILED):  # as sonic.parallel compiles each block: backends first, then compile
                 moe.resolve_backends(p.device)
                 moe.compile()
-            forward = block_forward(moe, p.x, autocast=cuda)
+            forward = block_forward(moe, p.x, cuda, args.seq_len)
             fwd, fb = step_fns(forward, p.dout)
             leaves = [p.x] + list(moe.parameters())
             rec["compile_s"] = first_call_s(fb, leaves, cuda)
             if ref is None:  # the reference block's output and grads, once per config
                 ref_moe = sonic_block(p, block_moe_config(args.model, shape, "reference"))
-                ref = block_grads(ref_moe, p, cuda)
+                ref = block_grads(ref_moe, p, cuda, args.seq_len)
                 del ref_moe
-            got = block_grads(moe, p, cuda)
+            got = block_grads(moe, p, cuda, args.seq_len)
             rec["check"] = {k: rel_err(v, ref[k]) for k, v in got.items()}
             del got
             rec["max_err"] = max(rec["check"].values())
@@ -233,7 +243,8 @@ def run_block_config(name, shape, backends, official, args, done, emit) -> None:
             if off is not None:
                 rec.update(block_tflops(med["official_fwd"], med["official_fb"], unit, "official_"))
                 rec.update(official_held_mib=off["held_mib"], official_compile_s=off["compile_s"],
-                           official_err_out=rel_err(off["out"], ref["out"]), **ratios(times))
+                           official_err_out=rel_err(off["out"], ref["out"]) if routes_as_official else None,
+                           **ratios(times))
             for t in leaves:
                 t.grad = None
             vs = (f"official f+b {rec['official_fb_tflops']:.3g}; Sonic/official median (best round): "
@@ -304,8 +315,8 @@ def run_block(configs, args) -> None:
         records[:] = [r for r in records if (r["gpu"], r["config"], r["backend"]) != (rec["gpu"], rec["config"],
                                                                                        rec["backend"])] + [rec]
         write_json(path, {"mode": "block", "model": args.model, "records": records, "official_unavailable": why,
-                          "rounds": args.rounds, "warmup_ms": args.warmup, "rep_ms": args.rep,
-                          "triton_autotune": args.autotune, "official_autotune_cache": autotune_cache})
+                          "seq_len": args.seq_len, "rounds": args.rounds, "warmup_ms": args.warmup,
+                          "rep_ms": args.rep, "triton_autotune": args.autotune, "official_autotune_cache": autotune_cache})
 
     t0 = time.time()
     for c, shape in configs.items():
@@ -322,6 +333,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_run_options(ap, "Table 9b's twelve", "cute,triton on a GPU, reference on the CPU", "all")
     ap.add_argument("--model", default="sonic_7b", help="preset whose MoE config (routing) the block uses")
+    ap.add_argument("--seq-len", type=int, default=4096,
+                    help="tokens per sequence in the block's input (the router's input centring reads them; "
+                         "4096 as sonic_7b trains; one sequence of T where it does not divide T)")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (each a do_bench per layer)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no config after this many seconds")
     ap.add_argument("--resume", action="store_true", help="keep the records in --json, run the missing ones")
@@ -330,6 +344,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: time at least one round (7 or more for a table)")
+    if args.seq_len < 1:
+        ap.error(f"--seq-len {args.seq_len}: give a positive number of tokens per sequence")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench.moe_block needs a CUDA GPU (or --device cpu for a smoke test)")
     run_block(select_configs(args.configs, args.shape, TABLE_9B_NAMES), args)

@@ -71,6 +71,7 @@ class MoE(nn.Module):
         # Under autocast the kernels run in the autocast dtype; a custom autograd Function is not
         # autocast by itself, so cast here, once: router, experts and shared expert then read (and
         # save for backward) the same tensor.
+        assert x_BSD.dim() == 3, f"MoE takes (batch, seq, dim) input: the router reads sequences; got {x_BSD.shape}"
         dt = compute_dtype(x_BSD)
         cast = lambda t: None if t is None else t.to(dt)  # noqa: E731
         x_TD = cast(x_BSD.reshape(-1, x_BSD.shape[-1]))

@@ -96,10 +96,11 @@ class _StandInOfficial(torch.nn.Module):
         return reference.experts(x_TD, self.c_fc.weight, self.c_proj.weight, plan), logits_TE.softmax(-1).var()
 
 
-def test_block_bench_official_fields_with_a_stand_in(fixed_times):
+@pytest.mark.parametrize("model", ["tiny", "sonic_7b"])
+def test_block_bench_official_fields_with_a_stand_in(fixed_times, model):
     """The official path (built on the same weights, timed interleaved, compared) without a GPU."""
     official = (_StandInOfficial, types.SimpleNamespace(SWIGLU="swiglu"))
-    args = argparse.Namespace(device="cpu", model="sonic_7b", rounds=7, warmup=1, rep=1)
+    args = argparse.Namespace(device="cpu", model=model, rounds=7, warmup=1, rep=1, seq_len=16)
     records = []
     moe_block.run_block_config("tiny", (48, 32, 16, 4, 2), ["reference"], official, args, set(), records.append)
     [rec] = records
@@ -112,7 +113,10 @@ def test_block_bench_official_fields_with_a_stand_in(fixed_times):
     assert rec["best_ratio_fwd"] == 3 / 1 and rec["best_ratio_fb"] == 8 / 4
     assert rec["best_ratio_bwd"] == (8 - 3) / (4 - 1)
     assert rec["ratio_fb"] == pytest.approx(rec["fb_tflops"] / rec["official_fb_tflops"])
-    assert rec["official_err_out"] < 1e-2  # same weights, same top-K + softmax routing
+    if model == "tiny":
+        assert rec["official_err_out"] < 1e-2  # same weights, same top-K + softmax routing
+    else:  # sonic_7b centres the router's input: other picks, so no output comparison
+        assert rec["official_err_out"] is None
     summary = moe_block.block_summary(records)
     assert "1.67 (2.00)" in summary and "2.00 (3.00)" in summary and "1.50 (1.67)" in summary
 
