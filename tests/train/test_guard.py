@@ -16,8 +16,9 @@ IMPLEMENTATIONS = ("fused", "foreach", "for_loop")
 
 
 def tiny() -> Transformer:
-    cfg = ModelConfig(vocab_size=32, dim=16, num_layers=1, num_heads=2, moe=MoEConfig(num_experts=4, top_k=2,
-                                                                                        expert_dim=8))
+    # fp32 without autocast on any device: the reference experts (auto picks cute on a GPU, which runs bf16 only)
+    cfg = ModelConfig(vocab_size=32, dim=16, num_layers=1, num_heads=2,
+                      moe=MoEConfig(num_experts=4, top_k=2, expert_dim=8, kernel_backend="reference"))
     model = Transformer(cfg)
     model.init_weights(seed=0)
     return model
