@@ -63,12 +63,15 @@ def run_gpu_tests(timeout_s: float, log: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider",
-               f"--junitxml={xml}"]
+               "--durations=10", f"--junitxml={xml}"]  # the slowest tests name what to cut when time runs out
+        timed_out = False
         try:
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
             out, rc = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as err:
-            out, rc = f"{err.stdout or ''}\n{err.stderr or ''}\ntimed out after {timeout_s:.0f} s", 124
+        except subprocess.TimeoutExpired as err:  # its partial output comes as bytes, text=True or not
+            partial = [b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+                       for b in (err.stdout, err.stderr)]
+            out, rc, timed_out = "\n".join(partial) + f"\ntimed out after {timeout_s:.0f} s", 124, True
         log.write_text(out)
         counts = {"tests_passed": 0, "tests_failed": 0, "tests_skipped": 0}
         if xml.exists():
@@ -80,7 +83,9 @@ def run_gpu_tests(timeout_s: float, log: Path) -> dict:
         elif rc != 0:
             counts["tests_failed"] = 1  # pytest died before writing its report: count it as a failure
         failures = [line for line in out.splitlines() if line.startswith(("FAILED", "ERROR"))]
-        return {**counts, "tests_rc": rc, "tests_failures": failures[:50]}
+        if timed_out:
+            failures.append(f"TIMEOUT: pytest -m gpu ran past --tests-timeout {timeout_s:.0f} s (see {log.name})")
+        return {**counts, "tests_rc": rc, "tests_timed_out": timed_out, "tests_failures": failures[:50]}
 
 
 def run_trainer(backend: str, layers: int, steps: int, timeout_s: float, log: Path) -> dict:

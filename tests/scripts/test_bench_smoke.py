@@ -81,3 +81,15 @@ def test_smoke_refuses_to_run_without_a_gpu():
     proc = subprocess.run([sys.executable, "-m", "bench.smoke", "--commit", "abc"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr
+
+
+def test_a_gpu_test_run_past_its_timeout_is_a_named_failure(repo, tmp_path):
+    (repo / "tests").mkdir()
+    (repo / "tests" / "test_slow.py").write_text(
+        "import time, pytest\n\n@pytest.mark.gpu\ndef test_slow():\n    print('started', flush=True)\n"
+        "    time.sleep(60)\n")
+    log = tmp_path / "tests.log"
+    got = smoke.run_gpu_tests(3.0, log)
+    assert got["tests_timed_out"] and got["tests_rc"] == 124 and got["tests_failed"] == 1
+    assert got["tests_failures"][-1].startswith("TIMEOUT: pytest -m gpu ran past --tests-timeout 3 s")
+    assert "timed out after 3 s" in log.read_text() and "b'" not in log.read_text()  # text, not a bytes repr
