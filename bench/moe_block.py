@@ -316,7 +316,8 @@ def run_block(configs, args) -> None:
                                                                                        rec["backend"])] + [rec]
         write_json(path, {"mode": "block", "model": args.model, "records": records, "official_unavailable": why,
                           "seq_len": args.seq_len, "rounds": args.rounds, "warmup_ms": args.warmup,
-                          "rep_ms": args.rep, "triton_autotune": args.autotune, "official_autotune_cache": autotune_cache})
+                          "rep_ms": args.rep, "triton_autotune": args.autotune,
+                          "official_autotune_cache": autotune_cache})
 
     t0 = time.time()
     for c, shape in configs.items():
