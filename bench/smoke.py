@@ -128,9 +128,16 @@ def verify(path: Path) -> str | None:
     changed = git("diff", "--name-only", commit, "HEAD", "--", "sonic/")
     if changed:
         return f"{path.name} tested {commit}; sonic/ changed since: {changed.splitlines()[:5]}"
+    if rec.get("tests_timed_out") or rec.get("tests_rc") == 124:
+        return f"{path.name}: the GPU tests ran past --tests-timeout (its log names the slowest); rerun with more"
     if rec.get("tests_failed") or any(t.get("rc") for t in rec.get("train", {}).values()):
         return f"{path.name}: {rec.get('tests_failed')} GPU test(s) failed or a training run failed"
     return None
+
+
+def newest(paths: list[Path]) -> Path | None:
+    """The result taken last, by the date it records (file names sort by GPU within a day)."""
+    return max(paths, key=lambda p: (json.loads(p.read_text()).get("date", ""), p.name), default=None)
 
 
 def main() -> None:
@@ -148,8 +155,8 @@ def main() -> None:
     from bench.common import RESULTS, gpu_name, result_path, table, write_json  # noqa: PLC0415
 
     if args.verify:
-        found = sorted(RESULTS.glob("*smoke*.json"))
-        path = found[-1] if args.verify == "newest" and found else Path(args.verify)
+        found = newest(list(RESULTS.glob("*smoke*.json")))
+        path = found if args.verify == "newest" and found else Path(args.verify)
         problem = verify(path) if path.exists() else f"no smoke result at {path}"
         print(problem or f"{path.name} proves HEAD's sonic/ tree")
         raise SystemExit(1 if problem else 0)

@@ -57,6 +57,8 @@ def test_a_result_proves_only_its_own_clean_tree(repo):
     assert smoke.verify(_result(repo, "ok.json")) is None
     assert "failed" in smoke.verify(_result(repo, "bad.json", tests_failed=2))
     assert "failed" in smoke.verify(_result(repo, "bad.json", train={"cute": {"rc": 1}}))
+    assert "ran past --tests-timeout" in smoke.verify(_result(repo, "slow.json", tests_failed=1, tests_rc=124,
+                                                               tests_timed_out=True))
     assert "not in this repository" in smoke.verify(_result(repo, "x.json", commit="0" * 40))
 
     (repo / "sonic" / "kernels.py").write_text("x = 2\n")  # tested dirty: the tree is not the commit's
@@ -93,3 +95,11 @@ def test_a_gpu_test_run_past_its_timeout_is_a_named_failure(repo, tmp_path):
     assert got["tests_timed_out"] and got["tests_rc"] == 124 and got["tests_failed"] == 1
     assert got["tests_failures"][-1].startswith("TIMEOUT: pytest -m gpu ran past --tests-timeout 3 s")
     assert "timed out after 3 s" in log.read_text() and "b'" not in log.read_text()  # text, not a bytes repr
+
+
+def test_verify_newest_takes_the_last_date_not_the_last_name(tmp_path):
+    for name, date in (("2026-11-24-h100-smoke.json", "2026-11-24T13:17:58"),
+                       ("2026-11-24-h200-smoke.json", "2026-11-24T12:02:02")):
+        (tmp_path / name).write_text(json.dumps({"date": date}))
+    assert smoke.newest(sorted(tmp_path.glob("*.json"))).name == "2026-11-24-h100-smoke.json"
+    assert smoke.newest([]) is None
