@@ -58,20 +58,24 @@ def git(*args: str) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
+def run_command(cmd: list[str], timeout_s: float) -> tuple[str, int, bool]:
+    """(stdout + stderr, returncode, timed out) of `cmd` run in the repository; a timeout is rc 124, its
+    partial output kept as text."""
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+        return proc.stdout + proc.stderr, proc.returncode, False
+    except subprocess.TimeoutExpired as err:  # its partial output comes as bytes, text=True or not
+        partial = [b.decode(errors="replace") if isinstance(b, bytes) else (b or "") for b in (err.stdout, err.stderr)]
+        return "\n".join(partial) + f"\ntimed out after {timeout_s:.0f} s", 124, True
+
+
 def run_gpu_tests(timeout_s: float, log: Path) -> dict:
     """pytest -m gpu over tests/, counted from its junit XML."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider",
                "--durations=10", f"--junitxml={xml}"]  # the slowest tests name what to cut when time runs out
-        timed_out = False
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
-            out, rc = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as err:  # its partial output comes as bytes, text=True or not
-            partial = [b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-                       for b in (err.stdout, err.stderr)]
-            out, rc, timed_out = "\n".join(partial) + f"\ntimed out after {timeout_s:.0f} s", 124, True
+        out, rc, timed_out = run_command(cmd, timeout_s)
         log.write_text(out)
         counts = {"tests_passed": 0, "tests_failed": 0, "tests_skipped": 0}
         if xml.exists():
@@ -94,11 +98,7 @@ def run_trainer(backend: str, layers: int, steps: int, timeout_s: float, log: Pa
         cmd = [sys.executable, "train.py", "experiment=sonic_7b", "data=embedded", f"model.num_layers={layers}",
                f"model.moe.kernel_backend={backend}", f"train.steps={steps}", "train.log_every=5", "train.eval_every=0",
                "train.save_every=0", "train.resume=none", "train.progress=false", f"train.run_dir={run_dir}"]
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
-            out, rc = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as err:
-            out, rc = f"{err.stdout or ''}\n{err.stderr or ''}\ntimed out after {timeout_s:.0f} s", 124
+        out, rc, _ = run_command(cmd, timeout_s)
         log.write_text(" ".join(cmd) + "\n" + out)
         path = Path(run_dir) / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

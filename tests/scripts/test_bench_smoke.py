@@ -103,3 +103,10 @@ def test_verify_newest_takes_the_last_date_not_the_last_name(tmp_path):
         (tmp_path / name).write_text(json.dumps({"date": date}))
     assert smoke.newest(sorted(tmp_path.glob("*.json"))).name == "2026-11-24-h100-smoke.json"
     assert smoke.newest([]) is None
+
+
+def test_a_command_past_its_timeout_keeps_its_partial_output_as_text(repo):
+    out, rc, timed_out = smoke.run_command(
+        [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"], 3.0)
+    assert (rc, timed_out) == (124, True)
+    assert out.startswith("started") and out.endswith("timed out after 3 s")  # text, not b'...'
