@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--verify", nargs="?", const="newest", help="check a smoke result against HEAD and exit")
     args = ap.parse_args()
 
-    from bench.common import RESULTS, gpu_name, result_path, table, write_json  # noqa: PLC0415
+    from bench.common import RESULTS, git_commit, gpu_name, result_path, table, write_json  # noqa: PLC0415
 
     if args.verify:
         found = newest(list(RESULTS.glob("*smoke*.json")))
@@ -164,8 +164,8 @@ def main() -> None:
     import torch  # noqa: PLC0415
 
     sonic_tree = git_tree_hash(REPO / "sonic")  # before anything runs (and writes bytecode)
-    commit = args.commit or git("rev-parse", "HEAD")
-    if not commit:
+    commit = args.commit or git_commit()  # not the HEAD of a stale .git around a copy of the tree
+    if commit == "unknown":
         raise SystemExit("no git here: pass --commit SHA (or SONIC_COMMIT) naming the commit this tree is")
     if not torch.cuda.is_available():
         raise SystemExit("bench.smoke needs a CUDA GPU (it proves the GPU path)")
