@@ -35,7 +35,8 @@ def poisoned_empty(shape, dtype, device):
 @pytest.fixture
 def poison(monkeypatch):
     """Every buffer the Triton backend's kernels write starts poisoned."""
-    from sonic.kernels.triton import function, routing
+    from sonic.kernels.triton import centring, function, routing
 
     monkeypatch.setattr(function, "_alloc", poisoned_empty)
     monkeypatch.setattr(routing, "_alloc", poisoned_empty)
+    monkeypatch.setattr(centring, "_alloc", poisoned_empty)

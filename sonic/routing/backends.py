@@ -13,8 +13,9 @@ Routing backends:
 
 A backend module exposes `select_topk(logits_TE, bias_E, k, order, renormalize) -> TopK`,
 `route_topk(...same...) -> (TopK, RoutingPlan)` (the selection and the plan of its picks, which the
-fused backend builds in one op) and `unavailable_reason(device) -> str | None`, with identical results
-(ties included).
+fused backend builds in one op), `prefix_centre` and `prefix_centre_backward` (routing.input_centring=prefix,
+sonic/routing/scores.py) and `unavailable_reason(device) -> str | None`, with identical results
+(ties included; the centring's sums to fp32 rounding).
 """
 from __future__ import annotations
 

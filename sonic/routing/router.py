@@ -81,7 +81,7 @@ class Router(nn.Module):
         """x_TD in the compute dtype (the MoE block casts it once for the router and the experts):
         sequences of seq_len tokens one after another (None: one sequence)."""
         with torch.autocast(x_TD.device.type, enabled=False):
-            logits_TE = self.scores(x_TD, self.weight_ED.to(x_TD.dtype), seq_len)
+            logits_TE = self.scores(x_TD, self.weight_ED.to(x_TD.dtype), seq_len, self.backend(x_TD.device))
         return self.route(logits_TE)
 
     def route(self, logits_TE: Tensor) -> RouterOutput:

@@ -32,27 +32,90 @@ EPS = 1e-6  # as RMSNorm's: c's RMS is O(1) (the block's input is normalised)
 class RawScores(nn.Module):
     """routing.input_centring=none."""
 
-    def forward(self, x_TD: Tensor, weight_ED: Tensor, seq_len: int | None = None) -> Tensor:
+    def forward(self, x_TD: Tensor, weight_ED: Tensor, seq_len: int | None = None, ops=None) -> Tensor:
         return F.linear(x_TD, weight_ED)
 
 
 class PrefixCentredScores(nn.Module):
     """routing.input_centring=prefix."""
 
-    def forward(self, x_TD: Tensor, weight_ED: Tensor, seq_len: int | None = None) -> Tensor:
-        """seq_len: the length S of the sequences x_TD holds, in order (None: one sequence of T)."""
-        T, D = x_TD.shape
+    def forward(self, x_TD: Tensor, weight_ED: Tensor, seq_len: int | None = None, ops=None) -> Tensor:
+        """seq_len: the length S of the sequences x_TD holds, in order (None: one sequence of T). ops: the routing
+        backend module whose prefix_centre[_backward] run the scan (None: this module's, the definition)."""
+        T, _ = x_TD.shape
         S = T if seq_len is None else seq_len
         assert S > 0 and T % S == 0, (T, S)
-        acc = torch.promote_types(x_TD.dtype, torch.float32)  # 4096 bf16 adds would drift
-        # positions innermost: a CUDA scan along an outer dim is ~30x slower than along the innermost one
-        x_BDS = x_TD.view(T // S, S, D).transpose(1, 2).to(acc, memory_format=torch.contiguous_format)
-        earlier_BDS = x_BDS.cumsum(-1) - x_BDS  # the sum over s < t
-        count_S = torch.arange(S, device=x_TD.device, dtype=acc).clamp_min(1)
-        c_TD = (x_BDS - earlier_BDS / count_S).transpose(1, 2).reshape(T, D).to(x_TD.dtype)
-        # W (c / rms(c)) as (W c) / rms(c): autograd keeps only c (the linear keeps it anyway) and rms(c)
-        mean_square_T = torch.linalg.vector_norm(c_TD, dim=-1, dtype=acc).square() / D
-        return F.linear(c_TD, weight_ED) * torch.rsqrt(mean_square_T + EPS).unsqueeze(-1)
+        return _PrefixCentredLogits.apply(x_TD, weight_ED, S, ops if ops is not None else _TORCH_OPS)
+
+
+class _PrefixCentredLogits(torch.autograd.Function):
+    """logits = (W c) * rstd, rstd = rsqrt(mean(c^2) + EPS), with c = prefix_centre(x).
+
+    Saves x (which the experts save anyway: the same storage), W, W c (T x E) and rstd, and recomputes c in
+    backward: autograd through the plain ops would keep c, one more T x D tensor per layer."""
+
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, weight_ED: Tensor, seq_len: int, ops) -> Tensor:
+        c_TD, mean_square_T = ops.prefix_centre(x_TD, seq_len)
+        rstd_T = torch.rsqrt(mean_square_T + EPS)
+        z_TE = F.linear(c_TD, weight_ED)
+        ctx.save_for_backward(x_TD, weight_ED, z_TE, rstd_T)
+        ctx.seq_len, ctx.ops = seq_len, ops
+        return z_TE.to(rstd_T.dtype) * rstd_T.unsqueeze(-1)
+
+    @staticmethod
+    def backward(ctx, dlogits_TE: Tensor):
+        x_TD, weight_ED, z_TE, rstd_T = ctx.saved_tensors
+        c_TD, _ = ctx.ops.prefix_centre(x_TD, ctx.seq_len)
+        dz_TE = (dlogits_TE * rstd_T.unsqueeze(-1)).to(z_TE.dtype)
+        dweight_ED = dz_TE.t() @ c_TD if ctx.needs_input_grad[1] else None
+        dx_TD = None
+        if ctx.needs_input_grad[0]:
+            # d rstd = <dlogits, W c>; rstd = (ms + EPS)^-1/2 and ms = |c|^2 / D, so dc gains (2/D) d ms * c
+            drstd_T = (dlogits_TE * z_TE.to(dlogits_TE.dtype)).sum(-1)
+            alpha_T = drstd_T * rstd_T.pow(3) * (-1.0 / x_TD.shape[1])
+            dx_TD = ctx.ops.prefix_centre_backward(dz_TE @ weight_ED, c_TD, alpha_T, ctx.seq_len)
+        return dx_TD, dweight_ED, None, None
+
+
+def _counts(S: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """How many earlier positions each position's mean is over (position 0: 1, its mean is 0 anyway)."""
+    return torch.arange(S, device=device, dtype=dtype).clamp_min(1)
+
+
+def prefix_centre(x_TD: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """c_TD = x_t - mean(x_s, s < t) per sequence of seq_len (c_0 = x_0), in x's dtype (summed in fp32 or
+    wider), and mean_square_T = mean over D of c^2 (fp32 or wider) of the rounded c: the definition, which
+    the fused backends match."""
+    T, D = x_TD.shape
+    S = seq_len
+    acc = torch.promote_types(x_TD.dtype, torch.float32)  # 4096 bf16 adds would drift
+    # positions innermost: a CUDA scan along an outer dim is ~30x slower than along the innermost one
+    x_BDS = x_TD.view(T // S, S, D).transpose(1, 2).to(acc, memory_format=torch.contiguous_format)
+    earlier_BDS = x_BDS.cumsum(-1) - x_BDS  # the sum over s < t
+    c_TD = (x_BDS - earlier_BDS / _counts(S, acc, x_TD.device)).transpose(1, 2).reshape(T, D).to(x_TD.dtype)
+    return c_TD, torch.linalg.vector_norm(c_TD, dim=-1, dtype=acc).square() / D
+
+
+def prefix_centre_backward(dc_TD: Tensor, c_TD: Tensor, alpha_T: Tensor, seq_len: int) -> Tensor:
+    """dx of prefix_centre for the total gradient dc_TD + alpha_T * c_TD on c: dx_s = g_s - sum_{t>s} g_t / t."""
+    T, D = dc_TD.shape
+    S = seq_len
+    acc = alpha_T.dtype
+    g_BDS = (dc_TD.to(acc) + alpha_T.unsqueeze(-1) * c_TD.to(acc)).view(T // S, S, D).transpose(1, 2)
+    u_BDS = g_BDS / _counts(S, acc, dc_TD.device)
+    later_BDS = u_BDS.flip(-1).cumsum(-1).flip(-1) - u_BDS  # the sum over t > s
+    return (g_BDS - later_BDS).transpose(1, 2).reshape(T, D).to(dc_TD.dtype)
+
+
+class _TorchCentring:
+    """The definition's prefix_centre[_backward], as a routing backend module exposes them."""
+
+    prefix_centre = staticmethod(prefix_centre)
+    prefix_centre_backward = staticmethod(prefix_centre_backward)
+
+
+_TORCH_OPS = _TorchCentring()
 
 
 def build_scores(centring: str) -> nn.Module:

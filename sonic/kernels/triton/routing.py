@@ -15,6 +15,9 @@ pairs are counted per expert (integer atomics), a scan over chunks gives each (c
 expert) its first row, and each chunk sorts its own (expert, token) keys in registers to
 rank its pairs within an expert. Rows come out sorted by expert then token, exactly as
 build_plan's argsort would, with a cost independent of E.
+
+prefix_centre[_backward] (routing.input_centring=prefix): the router input's scan, in
+sonic/kernels/triton/centring.py.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sonic.kernels.triton.centring import prefix_centre, prefix_centre_backward  # noqa: F401 (this backend's centring)
 from sonic.routing.plan import RoutingPlan, TopK
 
 ORDERS = {"topk_softmax": 0, "softmax_topk": 1}
