@@ -28,8 +28,10 @@
 #              embedded corpus (python -m bench.expert_parallel)
 #   routing    issue #30: sonic_7b cut to each of $ROUTING_LAYERS (default 16) layers on the local BPE data,
 #              100 steps, the cosine peak at step 20, one run per arm of $ROUTING_ARMS (default "topk-prefix
-#              topk-none": routing group - routing.input_centring), each layer's load curve and the router
-#              diagnostics (python -m bench.routing_health; bench/results/<date>-<gpu>-routing_health-<L>L-<arm>.json)
+#              topk-none": routing group - routing.input_centring, then optional +key=value overrides of
+#              model.moe.routing, e.g. topk-prefix+bias_update_rate=0.05), each layer's load curve and the router
+#              diagnostics (python -m bench.routing_health; bench/results/<date>-<gpu>-routing_health-<tag>.json,
+#              tag <L>L-<group>-<centring>[-<key><value>...])
 #
 # What the GPU image lacks travels in ignored folders named in the call's `carry`:
 #   .whl   wheels: hydra-core, omegaconf, antlr4-python3-runtime (needed), liger-kernel and
@@ -114,10 +116,15 @@ run_stage() {
     routing)  # the first run on a fresh machine also builds the local BPE data (a minute or two)
       for layers in ${ROUTING_LAYERS:-16}; do
         for arm in ${ROUTING_ARMS:-topk-prefix topk-none}; do
-          timeout "${ROUTING_S:-540}" python3 -m bench.routing_health --tag "${layers}L-$arm" experiment=sonic_7b \
+          base=${arm%%+*}; extra=(); tag="${layers}L-$base"
+          if [ "$arm" != "$base" ]; then  # +key=value[+key=value]: more model.moe.routing overrides
+            IFS=+ read -ra kv <<< "${arm#*+}"
+            for o in "${kv[@]}"; do extra+=("model.moe.routing.$o"); tag+="-${o//=/}"; done
+          fi
+          timeout "${ROUTING_S:-540}" python3 -m bench.routing_health --tag "$tag" experiment=sonic_7b \
             data=local_bpe optim.warmup_steps=20 train.steps=100 model.num_layers="$layers" \
-            model.moe.kernel_backend=triton routing="${arm%-*}" model.moe.routing.input_centring="${arm#*-}" 2>&1 \
-            | grep -v Warning | tee "$OUT/routing_health-${layers}L-$arm.log" | tail -30
+            model.moe.kernel_backend=triton routing="${base%-*}" model.moe.routing.input_centring="${base#*-}" \
+            "${extra[@]}" 2>&1 | grep -v Warning | tee "$OUT/routing_health-$tag.log" | tail -30
         done
       done ;;
     *) echo "unknown stage $1 (smoke | tests | levers | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | fuzz | ep | routing)" >&2
