@@ -37,7 +37,7 @@ path with the reference backend and no official layer (numbers meaningless).
 
 The bare expert layer (a diagnostic: the kernels alone) is bench/moe_layer.py.
 
-Run:   python -m bench.moe_block [--configs 7B,30B] [--backends cute,triton] [--no-official] [--compile]
+Run:   python -m bench.moe_block [--configs 7B,30B] [--backends cute,triton] [--no-official] [--compile [only]]
            [--budget-s 540 --resume --json PATH]
        python -m bench.moe_block --device cpu --shape 64,32,16,4,2
 """
@@ -297,8 +297,8 @@ def run_block(configs, args) -> None:
         print(f"[skip] official sonic-moe: {why}")
     official_on = set(configs if args.official_configs is None else args.official_configs.split(","))
     backends = backend_names(args.backends or ("cute,triton" if args.device == "cuda" else "reference"), args.device)
-    if args.compile:  # each backend also as the trainer runs it: the block under torch.compile (COMPILED suffix)
-        backends += [b + COMPILED for b in backends]
+    if args.compile:  # each backend as the trainer runs it: the block under torch.compile (COMPILED suffix)
+        backends = (backends if args.compile == "also" else []) + [b + COMPILED for b in backends]
     if args.autotune and "triton" in backends:  # as SONIC_TRITON_AUTOTUNE=1 does in training
         from sonic.kernels.triton import tuning  # noqa: PLC0415 - needs triton
         tuning.set_autotune(True)
@@ -340,8 +340,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (each a do_bench per layer)")
     ap.add_argument("--budget-s", type=float, default=0, help="start no config after this many seconds")
     ap.add_argument("--resume", action="store_true", help="keep the records in --json, run the missing ones")
-    ap.add_argument("--compile", action="store_true",
-                    help="also time each backend's block under torch.compile, as the trainer runs it (<backend>+compile)")
+    ap.add_argument("--compile", nargs="?", const="also", choices=("also", "only"), default=None,
+                    help="also time each backend's block under torch.compile, as the trainer runs it "
+                         "(<backend>+compile); --compile only: the compiled blocks alone")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: time at least one round (7 or more for a table)")

@@ -144,3 +144,11 @@ def test_block_bench_times_the_compiled_block_too(tmp_path, fixed_times):
     compiled = records["reference+compile"]
     assert "error" not in compiled, compiled.get("trace")
     assert compiled["check_ok"] and compiled["max_err"] < 1e-2, compiled["check"]  # bf16: inductor rounds its own way
+
+
+def test_block_bench_compile_only_times_just_the_compiled_block(tmp_path, fixed_times):
+    """--compile only: the block as the trainer runs it, without the eager one (which is host-bound on a GPU)."""
+    out = tmp_path / "moe_block.json"
+    moe_block.main(["--device", "cpu", "--shape", "64,32,16,4,2", "--rounds", "1", "--compile", "only",
+                    "--json", str(out)])
+    assert [r["backend"] for r in json.loads(out.read_text())["records"]] == ["reference+compile"]
