@@ -21,6 +21,9 @@ checkpoint. The experts and the rest of the block still read the full hidden sta
 """
 from __future__ import annotations
 
+import importlib
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -45,37 +48,62 @@ class PrefixCentredScores(nn.Module):
         T, _ = x_TD.shape
         S = T if seq_len is None else seq_len
         assert S > 0 and T % S == 0, (T, S)
-        return _PrefixCentredLogits.apply(x_TD, weight_ED, S, ops if ops is not None else _TORCH_OPS)
+        return _centred_logits(x_TD, weight_ED, S, (ops or sys.modules[__name__]).__name__)[0]
 
 
-class _PrefixCentredLogits(torch.autograd.Function):
-    """logits = (W c) * rstd, rstd = rsqrt(mean(c^2) + EPS), with c = prefix_centre(x).
+# logits = (W c) * rstd, rstd = rsqrt(mean(c^2) + EPS), c = prefix_centre(x), as one op with its own backward op,
+# which recomputes c: autograd through the plain ops would keep c, one more T x D tensor per layer, and so would
+# torch.compile's partitioner with the recompute in view (it merges it with the forward's and saves the result).
+# Saved: x (which the experts keep anyway: the same storage), W, W c (T x E) and rstd.
+@torch.library.custom_op("sonic::prefix_centred_logits", mutates_args=())
+def _centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int, ops: str) -> tuple[Tensor, Tensor, Tensor]:
+    c_TD, mean_square_T = importlib.import_module(ops).prefix_centre(x_TD, seq_len)
+    rstd_T = torch.rsqrt(mean_square_T + EPS)
+    z_TE = F.linear(c_TD, weight_ED)
+    return z_TE.to(rstd_T.dtype) * rstd_T.unsqueeze(-1), z_TE, rstd_T
 
-    Saves x (which the experts save anyway: the same storage), W, W c (T x E) and rstd, and recomputes c in
-    backward: autograd through the plain ops would keep c, one more T x D tensor per layer."""
 
-    @staticmethod
-    def forward(ctx, x_TD: Tensor, weight_ED: Tensor, seq_len: int, ops) -> Tensor:
-        c_TD, mean_square_T = ops.prefix_centre(x_TD, seq_len)
-        rstd_T = torch.rsqrt(mean_square_T + EPS)
-        z_TE = F.linear(c_TD, weight_ED)
-        ctx.save_for_backward(x_TD, weight_ED, z_TE, rstd_T)
-        ctx.seq_len, ctx.ops = seq_len, ops
-        return z_TE.to(rstd_T.dtype) * rstd_T.unsqueeze(-1)
+@_centred_logits.register_fake
+def _(x_TD, weight_ED, seq_len, ops):
+    acc = torch.promote_types(x_TD.dtype, torch.float32)
+    T, E = x_TD.shape[0], weight_ED.shape[0]
+    return x_TD.new_empty((T, E), dtype=acc), x_TD.new_empty((T, E)), x_TD.new_empty((T,), dtype=acc)
 
-    @staticmethod
-    def backward(ctx, dlogits_TE: Tensor):
-        x_TD, weight_ED, z_TE, rstd_T = ctx.saved_tensors
-        c_TD, _ = ctx.ops.prefix_centre(x_TD, ctx.seq_len)
-        dz_TE = (dlogits_TE * rstd_T.unsqueeze(-1)).to(z_TE.dtype)
-        dweight_ED = dz_TE.t() @ c_TD if ctx.needs_input_grad[1] else None
-        dx_TD = None
-        if ctx.needs_input_grad[0]:
-            # d rstd = <dlogits, W c>; rstd = (ms + EPS)^-1/2 and ms = |c|^2 / D, so dc gains (2/D) d ms * c
-            drstd_T = (dlogits_TE * z_TE.to(dlogits_TE.dtype)).sum(-1)
-            alpha_T = drstd_T * rstd_T.pow(3) * (-1.0 / x_TD.shape[1])
-            dx_TD = ctx.ops.prefix_centre_backward(dz_TE @ weight_ED, c_TD, alpha_T, ctx.seq_len)
-        return dx_TD, dweight_ED, None, None
+
+@torch.library.custom_op("sonic::prefix_centred_logits_backward", mutates_args=())
+def _centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor, z_TE: Tensor, rstd_T: Tensor,
+                             seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
+    ops_module = importlib.import_module(ops)
+    c_TD, _ = ops_module.prefix_centre(x_TD, seq_len)
+    dz_TE = (dlogits_TE * rstd_T.unsqueeze(-1)).to(z_TE.dtype)
+    # d rstd = <dlogits, W c>; rstd = (ms + EPS)^-1/2 and ms = |c|^2 / D, so dc gains (2/D) d ms * c
+    drstd_T = (dlogits_TE * z_TE.to(dlogits_TE.dtype)).sum(-1)
+    alpha_T = drstd_T * rstd_T.pow(3) * (-1.0 / x_TD.shape[1])
+    dx_TD = ops_module.prefix_centre_backward(dz_TE @ weight_ED, c_TD, alpha_T, seq_len)
+    return dx_TD, dz_TE.t() @ c_TD
+
+
+@_centred_logits_backward.register_fake
+def _(dlogits_TE, x_TD, weight_ED, z_TE, rstd_T, seq_len, ops):
+    return torch.empty_like(x_TD), torch.empty_like(weight_ED)
+
+
+def _setup(ctx, inputs, output):
+    x_TD, weight_ED, seq_len, ops = inputs
+    _, z_TE, rstd_T = output
+    ctx.save_for_backward(x_TD, weight_ED, z_TE, rstd_T)
+    ctx.seq_len, ctx.ops = seq_len, ops
+    ctx.mark_non_differentiable(z_TE, rstd_T)
+
+
+def _backward(ctx, dlogits_TE, _dz, _drstd):
+    x_TD, weight_ED, z_TE, rstd_T = ctx.saved_tensors
+    dx_TD, dweight_ED = _centred_logits_backward(dlogits_TE.contiguous(), x_TD, weight_ED, z_TE, rstd_T,
+                                                 ctx.seq_len, ctx.ops)
+    return dx_TD, dweight_ED, None, None
+
+
+_centred_logits.register_autograd(_backward, setup_context=_setup)
 
 
 def _counts(S: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -106,16 +134,6 @@ def prefix_centre_backward(dc_TD: Tensor, c_TD: Tensor, alpha_T: Tensor, seq_len
     u_BDS = g_BDS / _counts(S, acc, dc_TD.device)
     later_BDS = u_BDS.flip(-1).cumsum(-1).flip(-1) - u_BDS  # the sum over t > s
     return (g_BDS - later_BDS).transpose(1, 2).reshape(T, D).to(dc_TD.dtype)
-
-
-class _TorchCentring:
-    """The definition's prefix_centre[_backward], as a routing backend module exposes them."""
-
-    prefix_centre = staticmethod(prefix_centre)
-    prefix_centre_backward = staticmethod(prefix_centre_backward)
-
-
-_TORCH_OPS = _TorchCentring()
 
 
 def build_scores(centring: str) -> nn.Module:
