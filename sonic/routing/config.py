@@ -9,6 +9,7 @@ from sonic.routing.scores import CENTRINGS
 ORDERS = ("topk_softmax", "softmax_topk")
 ROUNDING_MODES = ("nearest", "stochastic", "nearest_score", "balance", "up", "down")
 AUX_SCOPES = ("global", "local")
+BIAS_RULES = ("sign", "proportional")
 
 
 @dataclass
@@ -17,13 +18,17 @@ class RoutingConfig:
     method: str = "topk"  # topk | token_rounding (training only; eval uses topk) | expert_choice
     order: str = "topk_softmax"  # topk_softmax: softmax over the K picked logits | softmax_topk
     renormalize: bool = False  # softmax_topk only: rescale the K picked probabilities to sum to 1
-    rounding_mode: str = "nearest"  # token_rounding: NR-f nearest | SR-f stochastic | NR-s nearest_score | Balance-f balance | up | down
+    # token_rounding: NR-f nearest | SR-f stochastic | NR-s nearest_score | Balance-f balance | up | down
+    rounding_mode: str = "nearest"
     tile_size: int = 128  # token_rounding: M_tile, the GEMM tile the expert counts are rounded to
     capacity_factor: float = 1.0  # expert_choice: each expert takes capacity_factor * T*K/E tokens
     aux_loss_coef: float = 0.01  # Switch load-balancing loss
     aux_loss_scope: str = "global"  # global: expert fractions over all data-parallel ranks' tokens | local: this rank's
     z_loss_coef: float = 0.0  # router z-loss
     bias_update_rate: float = 0.0  # aux-loss-free expert bias (DeepSeek-V3); 0 disables it
+    # sign: every expert's bias moves by the rate each step (DeepSeek-V3) | proportional: by the rate times its
+    # relative gap to the mean load, (mean - count) / mean, so a hot expert is pulled back in a few steps
+    bias_update_rule: str = "sign"
     # none: logits from the hidden state x (as Hugging Face OLMoE / Qwen3-MoE) | prefix: from x minus the mean of
     # the earlier positions of its sequence, at unit RMS (keeps deep routers balanced; sonic/routing/scores.py)
     input_centring: str = "none"
@@ -34,7 +39,8 @@ class RoutingConfig:
         for field, value, allowed in (("order", self.order, ORDERS),
                                       ("rounding_mode", self.rounding_mode, ROUNDING_MODES),
                                       ("aux_loss_scope", self.aux_loss_scope, AUX_SCOPES),
-                                      ("input_centring", self.input_centring, CENTRINGS)):
+                                      ("input_centring", self.input_centring, CENTRINGS),
+                                      ("bias_update_rule", self.bias_update_rule, BIAS_RULES)):
             if value not in allowed:
                 raise ValueError(f"routing.{field}={value!r} is not one of {', '.join(allowed)}")
         if not isinstance(self.renormalize, bool):

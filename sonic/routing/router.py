@@ -52,6 +52,9 @@ class RouterOutput:
 
 compat.register_pytree_dataclass(RouterOutput)  # so FSDP, compile and autograd see the tensors inside
 
+# routing.bias_update_rule: the expert bias's step (before the rate) from each expert's relative gap to the mean load
+BIAS_STEPS = {"sign": torch.sign, "proportional": lambda rel_gap_E: rel_gap_E}
+
 
 class Router(nn.Module):
     def __init__(self, dim: int, num_experts: int, top_k: int, cfg: RoutingConfig):
@@ -99,7 +102,8 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def update_expert_bias(self, counts_E: Tensor) -> None:
-        """bias_e += rate * sign(mean count - count_e): under-loaded experts become likelier picks.
+        """bias_e += rate * sign(mean count - count_e) (routing.bias_update_rule=sign), or rate * (mean count -
+        count_e) / mean count (proportional): under-loaded experts become likelier picks.
 
         Call after the optimizer step with the step's routed rows per expert, summed over
         micro-batches and all-reduced over ranks, so every rank applies the same update.
@@ -111,5 +115,7 @@ class Router(nn.Module):
         if self.cfg.bias_update_rate == 0:
             return
         counts_E = counts_E.to(self.expert_bias_E.device, torch.float32)
-        step_E = torch.sign(counts_E.mean() - counts_E) * self.cfg.bias_update_rate
+        mean = counts_E.mean()
+        rel_gap_E = (mean - counts_E) / mean.clamp_min(1)
+        step_E = BIAS_STEPS[self.cfg.bias_update_rule](rel_gap_E) * self.cfg.bias_update_rate
         self.expert_bias_E.add_(step_E.to(self.expert_bias_E.dtype))

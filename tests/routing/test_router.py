@@ -122,6 +122,20 @@ def test_expert_bias_update_direction():
     assert "expert_bias_E" in router.state_dict()  # persistent: checkpoints resume it
 
 
+def test_proportional_bias_update_moves_by_the_relative_gap():
+    from sonic.routing.config import BIAS_RULES
+    from sonic.routing.router import BIAS_STEPS
+
+    assert set(BIAS_STEPS) == set(BIAS_RULES)
+    router = Router(4, 4, 1, RoutingConfig(bias_update_rate=0.1, bias_update_rule="proportional"))
+    router.update_expert_bias(torch.tensor([20, 0, 5, 15]))  # mean 10: gaps -1, +1, +0.5, -0.5
+    torch.testing.assert_close(router.expert_bias_E, torch.tensor([-0.1, 0.1, 0.05, -0.05]))
+    router.update_expert_bias(torch.tensor([0, 0, 0, 0]))  # nothing routed: no step
+    torch.testing.assert_close(router.expert_bias_E, torch.tensor([-0.1, 0.1, 0.05, -0.05]))
+    with pytest.raises(ValueError, match="routing.bias_update_rule='linear' is not one of sign, proportional"):
+        RoutingConfig(bias_update_rule="linear")
+
+
 @pytest.mark.parametrize("order", ["topk_softmax", "softmax_topk"])
 def test_expert_bias_changes_selection_not_gates(order):
     router, x = router_with_logits(LOGITS, 2, order=order, bias_update_rate=0.5)
