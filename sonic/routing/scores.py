@@ -52,29 +52,28 @@ class PrefixCentredScores(nn.Module):
 
 
 # logits = (W c) * rstd, rstd = rsqrt(mean(c^2) + EPS), c = prefix_centre(x), as one op with its own backward op,
-# which recomputes c: autograd through the plain ops would keep c, one more T x D tensor per layer, and so would
-# torch.compile's partitioner with the recompute in view (it merges it with the forward's and saves the result).
-# Saved: x (which the experts keep anyway: the same storage), W, W c (T x E) and rstd.
+# which recomputes c and W c: autograd through the plain ops would keep c, one more T x D tensor per layer, and so
+# would torch.compile's partitioner with the recompute in view (it merges it with the forward's and saves the
+# result). Saved: x (which the experts keep anyway: the same storage), W and rstd.
 @torch.library.custom_op("sonic::prefix_centred_logits", mutates_args=())
-def _centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int, ops: str) -> tuple[Tensor, Tensor, Tensor]:
+def _centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
     c_TD, mean_square_T = importlib.import_module(ops).prefix_centre(x_TD, seq_len)
     rstd_T = torch.rsqrt(mean_square_T + EPS)
-    z_TE = F.linear(c_TD, weight_ED)
-    return z_TE.to(rstd_T.dtype) * rstd_T.unsqueeze(-1), z_TE, rstd_T
+    return F.linear(c_TD, weight_ED).to(rstd_T.dtype) * rstd_T.unsqueeze(-1), rstd_T
 
 
 @_centred_logits.register_fake
 def _(x_TD, weight_ED, seq_len, ops):
     acc = torch.promote_types(x_TD.dtype, torch.float32)
-    T, E = x_TD.shape[0], weight_ED.shape[0]
-    return x_TD.new_empty((T, E), dtype=acc), x_TD.new_empty((T, E)), x_TD.new_empty((T,), dtype=acc)
+    return x_TD.new_empty((x_TD.shape[0], weight_ED.shape[0]), dtype=acc), x_TD.new_empty((x_TD.shape[0],), dtype=acc)
 
 
 @torch.library.custom_op("sonic::prefix_centred_logits_backward", mutates_args=())
-def _centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor, z_TE: Tensor, rstd_T: Tensor,
-                             seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
+def _centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor, rstd_T: Tensor, seq_len: int,
+                             ops: str) -> tuple[Tensor, Tensor]:
     ops_module = importlib.import_module(ops)
     c_TD, _ = ops_module.prefix_centre(x_TD, seq_len)
+    z_TE = F.linear(c_TD, weight_ED)  # as the forward computed it: the same GEMM on the same inputs
     dz_TE = (dlogits_TE * rstd_T.unsqueeze(-1)).to(z_TE.dtype)
     # d rstd = <dlogits, W c>; rstd = (ms + EPS)^-1/2 and ms = |c|^2 / D, so dc gains (2/D) d ms * c
     drstd_T = (dlogits_TE * z_TE.to(dlogits_TE.dtype)).sum(-1)
@@ -84,22 +83,22 @@ def _centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor
 
 
 @_centred_logits_backward.register_fake
-def _(dlogits_TE, x_TD, weight_ED, z_TE, rstd_T, seq_len, ops):
+def _(dlogits_TE, x_TD, weight_ED, rstd_T, seq_len, ops):
     return torch.empty_like(x_TD), torch.empty_like(weight_ED)
 
 
 def _setup(ctx, inputs, output):
     x_TD, weight_ED, seq_len, ops = inputs
-    _, z_TE, rstd_T = output
-    ctx.save_for_backward(x_TD, weight_ED, z_TE, rstd_T)
+    _, rstd_T = output
+    ctx.save_for_backward(x_TD, weight_ED, rstd_T)
     ctx.seq_len, ctx.ops = seq_len, ops
-    ctx.mark_non_differentiable(z_TE, rstd_T)
+    ctx.mark_non_differentiable(rstd_T)
 
 
-def _backward(ctx, dlogits_TE, _dz, _drstd):
-    x_TD, weight_ED, z_TE, rstd_T = ctx.saved_tensors
-    dx_TD, dweight_ED = _centred_logits_backward(dlogits_TE.contiguous(), x_TD, weight_ED, z_TE, rstd_T,
-                                                 ctx.seq_len, ctx.ops)
+def _backward(ctx, dlogits_TE, _drstd):
+    x_TD, weight_ED, rstd_T = ctx.saved_tensors
+    dx_TD, dweight_ED = _centred_logits_backward(dlogits_TE.contiguous(), x_TD, weight_ED, rstd_T, ctx.seq_len,
+                                                 ctx.ops)
     return dx_TD, dweight_ED, None, None
 
 
