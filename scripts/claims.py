@@ -283,6 +283,7 @@ def e2e(label: str, file: str, run: str) -> Row:
 
 E2E_40L, E2E_40L_MB8 = "2026-11-23-2xh200-e2e-40L.json", "2026-11-23-2xh200-e2e-40L-mb8-noreshard.json"
 E2E_1X = "2026-11-24-1xh200-e2e-40L.json"
+E2E_1X_CENTRING, E2E_1X_TR = "2026-11-24-1xh200-e2e-40L-centring.json", "2026-11-24-1xh200-e2e-40L-tr.json"
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
     Text("steps (averaged)", "steps_averaged"),
@@ -306,7 +307,13 @@ TABLES = (
               e2e("recipe, `model.moe.kernel_backend=grouped_mm` (our torch._grouped_mm backend)", E2E_40L,
                   "grouped_mm_40L"),
               e2e("recipe, one GPU, `kernel_backend=cute`, router input centred", E2E_1X, "cute_40L"),
-              e2e("recipe, one GPU, `kernel_backend=triton`, router input centred", E2E_1X, "triton_40L"))),
+              e2e("recipe, one GPU, `kernel_backend=triton`, router input centred", E2E_1X, "triton_40L"),
+              e2e("recipe, one GPU, cute, centring as one op (fused scan, nothing kept)", E2E_1X_CENTRING,
+                  "cute_40L"),
+              e2e("the same job, router reads x (`routing.input_centring=none`)", E2E_1X_CENTRING,
+                  "cute_centring_none_40L"),
+              e2e("recipe, one GPU, cute, top-K (a later job)", E2E_1X_TR, "cute_40L"),
+              e2e("the same job, `routing=token_rounding`", E2E_1X_TR, "cute_token_rounding_40L"))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),
@@ -314,15 +321,24 @@ TABLES = (
               e2e("recipe (defaults)", E2E_40L, "triton_40L"),
               e2e("micro-batch 8, no reshard", E2E_40L_MB8, "triton_mb8_noreshard_40L"),
               e2e("one GPU, cute, router input centred", E2E_1X, "cute_40L"),
-              e2e("one GPU, triton, router input centred", E2E_1X, "triton_40L"))),
+              e2e("one GPU, triton, router input centred", E2E_1X, "triton_40L"),
+              e2e("one GPU, cute, centring as one op", E2E_1X_CENTRING, "cute_40L"),
+              e2e("one GPU, cute, router reads x", E2E_1X_CENTRING, "cute_centring_none_40L"),
+              e2e("one GPU, cute, token rounding", E2E_1X_TR, "cute_token_rounding_40L"))),
     Table("routing_gpu", first="run", caption="`sonic_7b` on offline BPE text, micro-batch 4 × 4096, one H200: "
           "the learning rate peaks at step 20 (`optim.warmup_steps=20`) and the run goes to step 100 "
           "(`bash bench/gpu.sh routing`, `bench.routing_health`). The token-rounding row ran before `e83d8c1`, "
-          "which took most of its routing time out (its speed here is not token rounding's now).", rows=tuple(
+          "which took most of its routing time out (its speed here is not token rounding's now). The rows with "
+          "a bias rule ran later, with the centring as one op; their first row is the same config again.",
+          rows=tuple(
               Row(label, f"bench/results/2026-11-24-h200-routing_health-{tag}.json") for label, tag in (
                   ("16 layers, router reads x", "16L-none"), ("16 layers, input centred", "16L-prefix"),
                   ("16 layers, input centred, token rounding", "16L-prefix-tr"),
-                  ("40 layers, router reads x", "40L-none"), ("40 layers, input centred", "40L-prefix"))),
+                  ("40 layers, router reads x", "40L-none"), ("40 layers, input centred", "40L-prefix"),
+                  ("16 layers, input centred (later commit)", "16L-topk-prefix"),
+                  *((f"16 layers, input centred, proportional bias rule at {rate}",
+                     f"16L-topk-prefix-bias_update_ruleproportional-bias_update_rate{rate}")
+                    for rate in ("0.05", "0.1", "0.2")))),
           columns=(Field("worst max/mean, steps 30-100", "summary.worst_max_over_mean_from_step_30", digits=2),
                    Field("worst max/mean, step 100", "summary.worst_max_over_mean_at_last_step", digits=2),
                    Field("layers over 2×, step 100", "summary.layers_over_2x_at_last_step", digits=0),
@@ -332,12 +348,15 @@ TABLES = (
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
           "sonic-moe 0.1.2.post1 layer (router included), one H200, one process, seven interleaved rounds "
           "(`bench.moe_block`); × is Sonic over official, from the medians and from each side's best round. "
-          "`+compile` is the block as the trainer runs it (`torch.compile`). At this commit the bench handed the "
-          "block a 2-D input, so the centring read sequences of d tokens, not 4096 (the same work per token; "
-          "fixed in `c2f35fb`).", rows=tuple(
+          "`+compile` is the block as the trainer runs it (`torch.compile`). The first six rows are the current "
+          "block (the centring as one op); in the older rows the bench handed the block a 2-D input, so the "
+          "centring read sequences of d tokens, not 4096 (the same work per token; fixed in `c2f35fb`).",
+          rows=tuple(
               Row(f"{config}, {backend}", f"bench/results/2026-11-24-h200-moe_block-{file}.json",
                   {"config": config, "backend": backend})
               for config, file, backend in (
+                  *((config, "compiled", backend) for config in ("7B", "30B", "OLMoE")
+                    for backend in ("cute+compile", "triton+compile")),
                   ("7B", "7b", "cute+compile"), ("7B", "7b", "triton+compile"), ("7B", "7b", "cute"),
                   ("7B", "7b", "triton"), ("30B", "30b-olmoe", "cute+compile"), ("30B", "30b-olmoe", "cute"),
                   ("OLMoE", "30b-olmoe", "cute+compile"), ("OLMoE", "30b-olmoe", "cute"))),
