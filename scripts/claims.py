@@ -290,6 +290,12 @@ E2E_COLUMNS = (
     Field("k tokens/s/GPU", "tokens_per_s_per_gpu", 1e-3), Field("B tokens/GPU/day", "btokens_per_gpu_day", digits=2),
     CausalMfu("MFU"), Field("MFU, full attention", "mfu", 100, suffix="%"), Field("peak GiB", "peak_mem_gib"))
 LAYER_7B = {"config": "7B"}
+BLOCK_COLUMNS = (
+    Field("f+b TFLOPS", "fb_tflops", digits=0), Field("official f+b TFLOPS", "official_fb_tflops", digits=0),
+    Field("× f+b", "ratio_fb", digits=2, suffix="×"),
+    Field("× f+b, best rounds", "best_ratio_fb", digits=2, suffix="×"),
+    Field("× fwd", "ratio_fwd", digits=2, suffix="×"), Field("× bwd", "ratio_bwd", digits=2, suffix="×"),
+    Field("held MiB", "held_mib", digits=0), Field("official held MiB", "official_held_mib", digits=0))
 
 TABLES = (
     Table("paper_e2e", rows=(Row("the paper: SonicMoE, lm-engine, FSDP-2", PAPER_SOURCE, {"name": "sonicmoe"},
@@ -360,13 +366,13 @@ TABLES = (
                   ("7B", "7b", "cute+compile"), ("7B", "7b", "triton+compile"), ("7B", "7b", "cute"),
                   ("7B", "7b", "triton"), ("30B", "30b-olmoe", "cute+compile"), ("30B", "30b-olmoe", "cute"),
                   ("OLMoE", "30b-olmoe", "cute+compile"), ("OLMoE", "30b-olmoe", "cute"))),
-          columns=(Field("f+b TFLOPS", "fb_tflops", digits=0), Field("official f+b TFLOPS", "official_fb_tflops",
-                                                                      digits=0),
-                   Field("× f+b", "ratio_fb", digits=2, suffix="×"),
-                   Field("× f+b, best rounds", "best_ratio_fb", digits=2, suffix="×"),
-                   Field("× fwd", "ratio_fwd", digits=2, suffix="×"),
-                   Field("× bwd", "ratio_bwd", digits=2, suffix="×"),
-                   Field("held MiB", "held_mib", digits=0), Field("official held MiB", "official_held_mib", digits=0))),
+          columns=BLOCK_COLUMNS),
+    Table("block_h100", first="config, backend", caption="The same block and official layer on one H100, "
+          "compiled as the trainer runs it (`bash bench/gpu.sh block`, the official layer's autotune results "
+          "kept per GPU kind).", rows=tuple(
+              Row(f"{config}, cute+compile", "bench/results/2026-11-24-h100-moe_block-compiled.json",
+                  {"config": config, "backend": "cute+compile"}) for config in ("7B", "30B", "OLMoE")),
+          columns=BLOCK_COLUMNS),
     Table("official_7b", first="run", caption="The paper's 7B config (T 24576, d 1536, n 256, E 128, K 8), "
           "forward + backward of the bare expert layer (router logits, top-K, plan, experts: `bench.moe_layer`, "
           "the diagnostic), cute and the official sonic-moe 0.1.2.post1 layer in one "
