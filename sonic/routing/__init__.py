@@ -9,5 +9,5 @@ from sonic.routing.token_choice import count_per_expert, select_topk
 from sonic.routing.token_rounding import round_counts, token_rounding_plan
 
 __all__ = ["ROUTING_BACKENDS", "RoutingConfig", "RoutingPlan", "TopK", "routing_backend", "build_plan",
-           "plan_from_topk", "Router", "RouterOutput", "select_topk", "count_per_expert", "round_counts", "token_rounding_plan", "expert_capacity",
-           "expert_choice_plan", "switch_aux_loss", "z_loss"]
+           "plan_from_topk", "Router", "RouterOutput", "select_topk", "count_per_expert", "round_counts",
+           "token_rounding_plan", "expert_capacity", "expert_choice_plan", "switch_aux_loss", "z_loss"]

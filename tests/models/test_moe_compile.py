@@ -64,7 +64,8 @@ def _step_compiled(fn, moe, x):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("routing", [dict(), dict(method="token_rounding", tile_size=16), dict(input_centring="prefix")])
+@pytest.mark.parametrize("routing", [dict(), dict(method="token_rounding", tile_size=16),
+                                     dict(input_centring="prefix")])
 def test_block_compiles_with_inductor_on_gpu(routing):
     """The trainer's per-block compile (inductor) on the GPU: top-K in one graph, token rounding with its one
     break at the data-dependent row count (inductor on torch 2.11 failed on its T x E cumsum)."""

@@ -60,7 +60,8 @@ def check_parity(device: str, cases=CASES, dtypes=(torch.float32, torch.bfloat16
                 grads[name] = (logits.detach(), *torch.autograd.grad((logits * dlogits).sum(), (xg, wg)))
             for got, want, field in zip(grads["fused"], grads["torch"], ("logits", "dx", "dW")):
                 scale = want.abs().max().item()
-                torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale, msg=f"{field}: {what}")
+                torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale,
+                                           msg=f"{field}: {what}")
 
 
 def _interpreter_main() -> None:
