@@ -31,7 +31,7 @@
 #              topk-none": routing group - routing.input_centring, then optional +key=value overrides of
 #              model.moe.routing, e.g. topk-prefix+bias_update_rate=0.05), each layer's load curve and the router
 #              diagnostics (python -m bench.routing_health; bench/results/<date>-<gpu>-routing_health-<tag>.json,
-#              tag <L>L-<group>-<centring>[-<key><value>...])
+#              tag <L>L-<group>-<centring>[-<key><value>...]; diagnostics every $ROUTING_DIAG_EVERY steps, default 20)
 #
 # What the GPU image lacks travels in ignored folders named in the call's `carry`:
 #   .whl   wheels: hydra-core, omegaconf, antlr4-python3-runtime (needed), liger-kernel and
@@ -121,7 +121,8 @@ run_stage() {
             IFS=+ read -ra kv <<< "${arm#*+}"
             for o in "${kv[@]}"; do extra+=("model.moe.routing.$o"); tag+="-${o//=/}"; done
           fi
-          timeout "${ROUTING_S:-540}" python3 -m bench.routing_health --tag "$tag" experiment=sonic_7b \
+          timeout "${ROUTING_S:-540}" python3 -m bench.routing_health --tag "$tag" \
+            --diag-every "${ROUTING_DIAG_EVERY:-20}" experiment=sonic_7b \
             data=local_bpe optim.warmup_steps=20 train.steps=100 model.num_layers="$layers" \
             model.moe.kernel_backend=triton routing="${base%-*}" model.moe.routing.input_centring="${base#*-}" \
             "${extra[@]}" 2>&1 | grep -v Warning | tee "$OUT/routing_health-$tag.log" | tail -30

@@ -23,6 +23,21 @@ a Hydra override, as for train.py. No evaluation, no checkpoint, a fresh start. 
   unweighted aux loss and max/mean load on that forward; `attn_adds_to_mean` and `ffn_adds_to_mean`:
   the share of the residual stream's mean (after the block) that the block's attention and MoE
   branches added, along that mean: who writes the shared vector.
+  Where the imbalance comes from, of the logits + expert bias that pick the top-K on that forward:
+  `seq_max_over_mean` (each sequence's own max/mean load, averaged over sequences: above the batch's when
+  each sequence sends its tokens to its own experts) and `logit_seq_common_std` (the per-sequence
+  `logit_common_std`, averaged); `logit_common_step_cos` (cosine, over experts, of the batch-mean logit
+  with the one at the previous diagnostic step: near 1 when the same experts stay favoured, a stable
+  offset the bias can track); `logit_expert_std_cv` (the spread over experts of their token std,
+  std / mean: a wider expert wins the top-K tail more often) and `router_row_norm_cv` (the same
+  spread of the router's weight rows); the hottest expert's rank, from 0 (lowest) to 1 (highest),
+  among the experts' mean logit (`hot_common_rank`), token std (`hot_std_rank`) and expert bias
+  (`hot_bias_rank`); and of the router's input as the router reads it (the centred input at unit
+  RMS under input_centring=prefix, else x at unit RMS): `u_mean_share` and `u_seq_mean_share`
+  (mean_share over the batch and per sequence, averaged). Whether the hot expert's load is a few token
+  ids (a load that moves as one block, which no bias can split): `hot_top1_id_share` and
+  `hot_top10_id_share`, the share of the hot expert's tokens that its 1 and 10 commonest input ids hold,
+  beside `top10_id_share`, the 10 commonest ids' share of the batch.
 
 `--freeze attn.o_proj.weight` (diagnosis only) keeps those parameters at their initial values (zero:
 attention then adds nothing to the residual stream).
@@ -48,6 +63,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from bench.common import result_path, write_json
+from sonic.routing.scores import EPS, prefix_centre
 from sonic.train import trainer
 from sonic.train.config import Config, register_schema, to_config
 
@@ -60,7 +76,10 @@ TARGET_FROM_STEP = 30  # the issue's targets: from this step on no layer above 4
 DIAG_FIELDS = ("max_over_mean", "aux_loss", "cos_to_mean", "mean_share", "mean_half_gap", "mean_step_change",
                "cos_mean_to_unigram", "cos_mean_to_prev",
                "logit_common_std", "logit_token_std", "logit_range", "bias_std", "bias_range", "input_rms",
-               "attn_adds_to_mean", "ffn_adds_to_mean")
+               "attn_adds_to_mean", "ffn_adds_to_mean",
+               "seq_max_over_mean", "logit_seq_common_std", "logit_common_step_cos", "logit_expert_std_cv",
+               "router_row_norm_cv", "hot_common_rank", "hot_std_rank", "hot_bias_rank", "u_mean_share",
+               "u_seq_mean_share", "hot_top1_id_share", "hot_top10_id_share", "top10_id_share")
 
 
 def diag_steps(steps: int, every: int) -> list[int]:
@@ -73,10 +92,25 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a @ b) / (a.norm() * b.norm()).clamp_min(1e-12)
 
 
-def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, unigram_D: torch.Tensor,
-                 prev_layer_mean_D: torch.Tensor | None,
-                 prev_step_mean_D: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One MoE block's DIAG_FIELDS as a tensor (no host sync), and its router input's mean row."""
+def _rank(values_E: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Where expert e's value sits among all experts': 0 lowest, 1 highest."""
+    return (values_E < values_E[e]).float().sum() / max(values_E.numel() - 1, 1)
+
+
+def _mean_share(u_TD: torch.Tensor) -> torch.Tensor:
+    return u_TD.mean(0).square().sum() / u_TD.square().sum(-1).mean().clamp_min(1e-12)
+
+
+def _top_id_share(ids_T: torch.Tensor, vocab: int, n: int, weights_T: torch.Tensor | None = None) -> torch.Tensor:
+    """The share of the tokens (those with weight 1 of weights_T; all without) that their n commonest ids hold."""
+    counts = torch.bincount(ids_T, weights_T, minlength=vocab).float()
+    return counts.topk(min(n, vocab)).values.sum() / counts.sum().clamp_min(1)
+
+
+def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, ids_T: torch.Tensor, vocab: int, unigram_D: torch.Tensor,
+                 prev_layer: dict | None, prev_step: dict | None) -> tuple[torch.Tensor, dict]:
+    """One MoE block's DIAG_FIELDS as a tensor (no host sync), and what the next layer and the next
+    diagnostic step compare with (the router input's mean row, the batch-mean logits)."""
     router = block.ffn.router
     x_TD, routed = seen["router"]
     B, S, D = out_BSD.shape
@@ -86,13 +120,14 @@ def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, unigram_D: torch.Tens
     # how much the mean differs between the batch's two halves of sequences, and since the last diagnostic step
     halves = x.view(B, S, D)[: B // 2 * 2].view(2, -1, D).mean(1) if B >= 2 else None
     half_gap = (halves[0] - halves[1]).norm() / mean_D.norm().clamp_min(1e-12) if halves is not None else nan
-    step_change = ((mean_D - prev_step_mean_D).norm() / mean_D.norm().clamp_min(1e-12)
-                   if prev_step_mean_D is not None else nan)
+    step_change = ((mean_D - prev_step["mean_D"]).norm() / mean_D.norm().clamp_min(1e-12)
+                   if prev_step is not None else nan)
     unit = x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
     unit_mean = unit.mean(0)
     cos_to_mean = (unit @ (unit_mean / unit_mean.norm().clamp_min(1e-12))).mean()
-    mean_share = mean_D.square().sum() / x.square().sum(-1).mean().clamp_min(1e-12)
-    logits_TE = router.scores(x_TD.float(), router.weight_ED.float(), S).float()  # as the router computes them
+    mean_share = _mean_share(x)
+    weight_ED = router.weight_ED.float()
+    logits_TE = router.scores(x_TD.float(), weight_ED, S).float()  # as the router computes them
     counts = routed.topk_counts_E.float()
     bias = router.expert_bias_E.float()
     # what each branch adds to the mean of the residual stream, along that mean, as a share of it
@@ -100,22 +135,48 @@ def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, unigram_D: torch.Tens
     unit_resid = resid_mean_D / resid_mean_D.norm().clamp_min(1e-12)
     adds = [seen[b].float().flatten(0, 1).mean(0) @ unit_resid / resid_mean_D.norm().clamp_min(1e-12)
             for b in ("attn", "ffn")]
+    # where the imbalance comes from: per-sequence loads and shared logits, the favoured experts over steps
+    E = logits_TE.shape[1]
+    picks_BSK = (logits_TE + bias).topk(router.top_k, dim=-1).indices.view(B, S, -1)
+    seq_counts_BE = torch.zeros(B, E, device=x.device).scatter_add_(
+        1, picks_BSK.flatten(1), torch.ones(B, picks_BSK[0].numel(), device=x.device))
+    seq_max_over_mean = (seq_counts_BE.amax(-1) / seq_counts_BE.mean(-1)).mean()
+    logit_seq_common = logits_TE.view(B, S, E).mean(1).std(-1, unbiased=False).mean()
+    common_E = logits_TE.mean(0)
+    centred_common_E = common_E - common_E.mean()
+    common_step_cos = (_cos(centred_common_E, prev_step["common_E"] - prev_step["common_E"].mean())
+                       if prev_step is not None else nan)
+    std_E = logits_TE.std(0, unbiased=False)
+    row_norm_E = weight_ED.norm(dim=-1)
+    hot = counts.argmax()
+    if router.cfg.input_centring == "prefix":
+        c_TD, ms_T = prefix_centre(x, S)
+        u_TD = c_TD * torch.rsqrt(ms_T + EPS).unsqueeze(-1)
+    else:
+        u_TD = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS)
+    u_seq_mean_share = torch.stack([_mean_share(u) for u in u_TD.view(B, S, D)]).mean()
+    to_hot_T = (picks_BSK.flatten(0, 1) == hot).any(-1).float()
     row = torch.stack([counts.max() / counts.mean(), routed.aux_loss.float(), cos_to_mean, mean_share,
                        half_gap, step_change, _cos(mean_D, unigram_D),
-                       _cos(mean_D, prev_layer_mean_D) if prev_layer_mean_D is not None else nan,
-                       logits_TE.mean(0).std(unbiased=False), logits_TE.std(0, unbiased=False).mean(),
+                       _cos(mean_D, prev_layer["mean_D"]) if prev_layer is not None else nan,
+                       common_E.std(unbiased=False), std_E.mean(),
                        (logits_TE.amax(-1) - logits_TE.amin(-1)).mean(), bias.std(unbiased=False),
-                       bias.max() - bias.min(), x.square().mean().sqrt(), *adds])
-    return row, mean_D
+                       bias.max() - bias.min(), x.square().mean().sqrt(), *adds,
+                       seq_max_over_mean, logit_seq_common, common_step_cos, std_E.std(unbiased=False) / std_E.mean(),
+                       row_norm_E.std(unbiased=False) / row_norm_E.mean(), _rank(common_E, hot), _rank(std_E, hot),
+                       _rank(bias, hot), _mean_share(u_TD), u_seq_mean_share, _top_id_share(ids_T, vocab, 1, to_hot_T),
+                       _top_id_share(ids_T, vocab, 10, to_hot_T), _top_id_share(ids_T, vocab, 10)])
+    return row, {"mean_D": mean_D, "common_E": common_E}
 
 
 @torch.no_grad()
 def diagnose(model, input_ids_BS: torch.Tensor, doc_ids_BS: torch.Tensor | None,
-             prev_step_means: list[torch.Tensor] | None = None) -> tuple[list[dict], list[torch.Tensor]]:
+             prev_step: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
     """DIAG_FIELDS of every MoE layer for one batch (an eager forward in eval mode, no grad), and each
-    layer's mean router input (pass them back as prev_step_means at the next diagnostic step)."""
-    rows, means = [], []
-    unigram_V = torch.bincount(input_ids_BS.reshape(-1), minlength=model.cfg.vocab_size).float()
+    layer's state that the next diagnostic step compares with (pass it back as prev_step then)."""
+    rows, states = [], []
+    ids_T = input_ids_BS.reshape(-1)
+    unigram_V = torch.bincount(ids_T, minlength=model.cfg.vocab_size).float()
     unigram_D = unigram_V @ model.embed_tokens.weight.float() / unigram_V.sum()
     seen: dict = {}
     blocks = [getattr(layer, "_checkpoint_wrapped_module", layer) for layer in model.layers]
@@ -135,16 +196,17 @@ def diagnose(model, input_ids_BS: torch.Tensor, doc_ids_BS: torch.Tensor | None,
         for block in blocks:
             x, _ = block.forward(x, model.rotary, mask)
             if block.is_moe:
-                row, mean_D = _layer_stats(block, seen, x, unigram_D, means[-1] if means else None,
-                                           prev_step_means[len(means)] if prev_step_means else None)
+                row, state = _layer_stats(block, seen, x, ids_T, model.cfg.vocab_size, unigram_D,
+                                          states[-1] if states else None,
+                                          prev_step[len(states)] if prev_step else None)
                 rows.append(row)
-                means.append(mean_D)
+                states.append(state)
     finally:
         model.train(was_training)
         for h in handles:
             h.remove()
     values = torch.stack(rows).tolist()
-    return [{"layer": i, **dict(zip(DIAG_FIELDS, v))} for i, v in enumerate(values)], means
+    return [{"layer": i, **dict(zip(DIAG_FIELDS, v))} for i, v in enumerate(values)], states
 
 
 class DiagnosticsHook:
@@ -155,7 +217,7 @@ class DiagnosticsHook:
         self.steps, self.grad_accum = set(steps), grad_accum
         self.calls = 0
         self.records: list[dict] = []
-        self.means: list[torch.Tensor] | None = None  # each layer's mean router input at the last diagnostic step
+        self.state: list[dict] | None = None  # each layer's state at the last diagnostic step
 
     def __call__(self, model, args):
         if not model.training:
@@ -168,7 +230,7 @@ class DiagnosticsHook:
         sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
         sync()  # the step's queued work is not the diagnostics' time
         start = time.perf_counter()
-        layers, self.means = diagnose(model, ids, doc_ids, self.means)
+        layers, self.state = diagnose(model, ids, doc_ids, self.state)
         sync()
         seconds = time.perf_counter() - start
         self.records.append({"step": step + 1, "seconds": seconds, "layers": layers})

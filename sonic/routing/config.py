@@ -25,6 +25,8 @@ class RoutingConfig:
     aux_loss_coef: float = 0.01  # Switch load-balancing loss
     aux_loss_scope: str = "global"  # global: expert fractions over all data-parallel ranks' tokens | local: this rank's
     z_loss_coef: float = 0.0  # router z-loss
+    # DeepSeek-V3's sequence-wise balance loss: the Switch loss within each sequence, averaged (0: off)
+    seq_aux_loss_coef: float = 0.0
     bias_update_rate: float = 0.0  # aux-loss-free expert bias (DeepSeek-V3); 0 disables it
     # sign: every expert's bias moves by the rate each step (DeepSeek-V3) | proportional: by the rate times its
     # relative gap to the mean load, (mean - count) / mean, so a hot expert is pulled back in a few steps
@@ -52,7 +54,7 @@ class RoutingConfig:
             raise ValueError(f"routing.tile_size={self.tile_size!r} must be an integer >= 1 (the paper uses 128)")
         if not self.capacity_factor > 0:  # also rejects NaN
             raise ValueError(f"routing.capacity_factor={self.capacity_factor} must be > 0")
-        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+        for name in ("aux_loss_coef", "z_loss_coef", "seq_aux_loss_coef", "bias_update_rate"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"routing.{name}={getattr(self, name)} must be >= 0")
         if self.method == "expert_choice" and self.bias_update_rate > 0:

@@ -22,6 +22,22 @@ def switch_aux_loss(probs_mean_E: Tensor, picks_E: Tensor) -> Tensor:
     return E * (frac_E * probs_mean_E).sum()
 
 
+def sequence_aux_loss(logits_TE: Tensor, lse_T: Tensor, expert_idx_TK: Tensor, seq_len: int) -> Tensor:
+    """switch_aux_loss within each sequence, averaged over the sequences (DeepSeek-V3's sequence-wise balance
+    loss): a sequence that sends its tokens to its own few experts pays for it even when the batch's loads
+    even out. P_e is recomputed from the logits and lse_T (one pass over T x E), f_e from the picks.
+    """
+    T, E = logits_TE.shape
+    assert seq_len > 0 and T % seq_len == 0, (T, seq_len)
+    B = T // seq_len
+    probs_mean_BE = torch.exp(logits_TE.to(lse_T.dtype) - lse_T[:, None]).view(B, seq_len, E).mean(1)
+    picks_BK = expert_idx_TK.reshape(B, -1).long()
+    picks_BE = torch.zeros(B, E, dtype=probs_mean_BE.dtype, device=logits_TE.device).scatter_add_(
+        1, picks_BK, torch.ones_like(picks_BK, dtype=probs_mean_BE.dtype))
+    frac_BE = picks_BE / picks_BK.shape[1]
+    return E * (frac_BE * probs_mean_BE).sum(-1).mean()
+
+
 def z_loss(lse_T: Tensor) -> Tensor:
     """mean_t logsumexp(logits_t)^2 (ST-MoE): keeps router logits small for numerical stability."""
     return lse_T.square().mean() if lse_T.numel() else lse_T.sum()

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from sonic import compat
 from sonic.routing.backends import ROUTING_METHODS, routing_backend
 from sonic.routing.config import RoutingConfig
-from sonic.routing.losses import switch_aux_loss, z_loss
+from sonic.routing.losses import sequence_aux_loss, switch_aux_loss, z_loss
 from sonic.routing.token_rounding import group_sum
 from sonic.routing.scores import build_scores
 
@@ -46,6 +46,7 @@ class RouterOutput:
     loss: Tensor  # weighted aux + z losses, differentiable; add it to the training loss
     aux_loss: Tensor  # unweighted, detached, for logging
     z_loss: Tensor  # unweighted, detached, for logging
+    seq_aux_loss: Tensor  # unweighted, detached, for logging (0 unless routing.seq_aux_loss_coef > 0)
     counts_E: Tensor  # routed rows per expert (for load statistics and the expert bias)
     topk_counts_E: Tensor | None = None  # token-choice top-K picks per expert (before any rounding)
 
@@ -85,10 +86,11 @@ class Router(nn.Module):
         sequences of seq_len tokens one after another (None: one sequence)."""
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = self.scores(x_TD, self.weight_ED.to(x_TD.dtype), seq_len, self.backend(x_TD.device))
-        return self.route(logits_TE)
+        return self.route(logits_TE, seq_len)
 
-    def route(self, logits_TE: Tensor) -> RouterOutput:
-        """Everything after the linear layer: selection, gates, plan, losses (in fp32 from any logits dtype)."""
+    def route(self, logits_TE: Tensor, seq_len: int | None = None) -> RouterOutput:
+        """Everything after the linear layer: selection, gates, plan, losses (in fp32 from any logits dtype).
+        seq_len: as for forward (the sequence-wise balance loss reads it)."""
         cfg = self.cfg
         assert logits_TE.shape[1] == self.num_experts, logits_TE.shape
         backend = self.backend(logits_TE.device)
@@ -98,7 +100,11 @@ class Router(nn.Module):
         aux = switch_aux_loss(topk.probsum_E / max(logits_TE.shape[0], 1), picks_E)
         z = z_loss(topk.lse_T)
         loss = cfg.aux_loss_coef * aux + cfg.z_loss_coef * z
-        return RouterOutput(plan, loss, aux.detach(), z.detach(), plan.counts_E(), topk_counts_E)
+        seq_aux = torch.zeros_like(aux)
+        if cfg.seq_aux_loss_coef > 0:  # a config constant: one extra pass over T x E only when asked for
+            seq_aux = sequence_aux_loss(logits_TE, topk.lse_T, topk.expert_idx_TK, seq_len or logits_TE.shape[0])
+            loss = loss + cfg.seq_aux_loss_coef * seq_aux
+        return RouterOutput(plan, loss, aux.detach(), z.detach(), seq_aux.detach(), plan.counts_E(), topk_counts_E)
 
     @torch.no_grad()
     def update_expert_bias(self, counts_E: Tensor) -> None:

@@ -223,7 +223,7 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
         last_step, last_time = step, time.perf_counter()
         while step < t.steps:
             lr = set_lr(optimizer, cfg.optim, step, t.steps)  # from the config alone, also after a resume
-            loss_sum = torch.zeros(3, device=device)  # lm loss, aux loss, z loss (summed over micro-batches)
+            loss_sum = torch.zeros(4, device=device)  # lm, aux, z, sequence-wise aux losses (summed over micro-batches)
             load_LE = None
             topk_rows = torch.zeros((), device=device)  # rows plain top-K would route (before any rounding)
             for micro in range(t.grad_accum):
@@ -236,12 +236,13 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
                 if out.routed:
                     aux = torch.stack([r.aux_loss for r in out.routed]).mean()
                     z = torch.stack([r.z_loss for r in out.routed]).mean()
+                    seq_aux = torch.stack([r.seq_aux_loss for r in out.routed]).mean()
                     layer_counts = torch.stack([r.counts_E for r in out.routed]).float()
                     load_LE = layer_counts if load_LE is None else load_LE + layer_counts
                     topk_rows += sum(r.topk_counts_E.sum() for r in out.routed)
                 else:
-                    aux = z = torch.zeros((), device=device)
-                loss_sum += torch.stack([loss.detach(), aux, z])
+                    aux = z = seq_aux = torch.zeros((), device=device)
+                loss_sum += torch.stack([loss.detach(), aux, z, seq_aux])
             grad_norm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip or float("inf"))  # over all shards
             # optimizer.step(), unless the loss or norm is non-finite or the update too large (train.nonfinite)
             guard.step(grad_norm, step + 1, loss=loss_sum[0])
@@ -259,7 +260,8 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
             if is_log:
                 means = (all_reduce_(loss_sum, "mean") / t.grad_accum).tolist()  # waits for the device
                 now = time.perf_counter()
-                metrics = {"loss": means[0], "aux_loss": means[1], "z_loss": means[2], "lr": lr,
+                metrics = {"loss": means[0], "aux_loss": means[1], "z_loss": means[2], "seq_aux_loss": means[3],
+                           "lr": lr,
                            "grad_norm": grad_norm.item(),
                            **speed_metrics(tokens_per_step * (step - last_step) / (now - last_time),
                                            info.world_size, fpt, peak, device)}

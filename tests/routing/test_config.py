@@ -17,6 +17,7 @@ from sonic.routing import Router, RoutingConfig
     (dict(capacity_factor=float("nan")), "routing.capacity_factor"),
     (dict(aux_loss_coef=-0.1), "routing.aux_loss_coef"),
     (dict(z_loss_coef=-1e-3), "routing.z_loss_coef"),
+    (dict(seq_aux_loss_coef=-1e-3), "routing.seq_aux_loss_coef"),
     (dict(bias_update_rate=-1e-3), "routing.bias_update_rate"),
     (dict(method="expert_choice", bias_update_rate=1e-3), "routing.bias_update_rate"),
     (dict(input_centring="mean"), "routing.input_centring"),

@@ -97,6 +97,28 @@ def test_aux_loss_uniform_and_collapsed():
     assert router(x).aux_loss.item() == pytest.approx(E / K, rel=1e-4)
 
 
+def test_sequence_aux_loss_sees_what_the_batch_loss_averages_away():
+    """Two sequences of 4 tokens, E=2, K=1: the first sends every token to expert 0, the second to expert 1.
+    The batch's loads are even (aux = 1), each sequence's are not: in sequence 0, f = (1, 0) and mean P = (p, 1-p)
+    with p = 3/4, so E * sum f P = 1.5; the same in sequence 1, and their mean is 1.5."""
+    seq0 = torch.tensor([[math.log(3.0), 0.0]]).expand(4, 2)
+    logits = torch.cat([seq0, seq0.flip(-1)])
+    router, x = router_with_logits(logits, 1, aux_loss_coef=0.0, seq_aux_loss_coef=0.1)
+    out = router(x, seq_len=4)
+    assert out.aux_loss.item() == pytest.approx(1.0, rel=1e-6)
+    assert out.seq_aux_loss.item() == pytest.approx(1.5, rel=1e-6)
+    assert out.loss.item() == pytest.approx(0.1 * 1.5, rel=1e-6) and not out.seq_aux_loss.requires_grad
+    # d/dl_t0 of mean_b E * mean_t P_t0 (f = (1, 0)) = 2 * P0 P1 / 4 / 2 = 3/64 for sequence 0's tokens; mirrored
+    (g,) = torch.autograd.grad(out.loss, x)
+    want = 0.1 * torch.tensor([3 / 64, -3 / 64])
+    torch.testing.assert_close(g, torch.cat([want.expand(4, 2), want.flip(-1).expand(4, 2)]), rtol=1e-5, atol=1e-7)
+    # one sequence of all 8 tokens: the batch's loss again; off by default: no loss, logged as 0
+    assert router(x).seq_aux_loss.item() == pytest.approx(1.0, rel=1e-6)
+    plain, x = router_with_logits(logits, 1)
+    out = plain(x, seq_len=4)
+    assert out.seq_aux_loss.item() == 0 and out.loss.item() == pytest.approx(0.01 * 1.0, rel=1e-6)
+
+
 def test_aux_loss_uses_topk_counts_under_token_rounding():
     torch.manual_seed(0)
     x = torch.randn(100, 16)

@@ -34,12 +34,20 @@ def test_routing_health_bench_writes_the_curve_and_the_diagnostics(tmp_path):
             assert set(routing_health.DIAG_FIELDS) <= set(row)
             assert 0 <= row["mean_share"] <= 1 and -1 <= row["cos_to_mean"] <= 1
             assert 1 <= row["max_over_mean"] <= 8 / 2 and row["logit_token_std"] > 0
+            assert 1 <= row["seq_max_over_mean"] <= 8 / 2 and row["logit_seq_common_std"] >= 0
+            assert all(0 <= row[k] <= 1 for k in ("hot_common_rank", "hot_std_rank", "hot_bias_rank",
+                                                    "u_mean_share", "u_seq_mean_share", "hot_top1_id_share",
+                                                    "top10_id_share"))
+            assert row["hot_top1_id_share"] <= row["hot_top10_id_share"] <= 1
+            assert row["logit_expert_std_cv"] > 0 and row["router_row_norm_cv"] > 0
     first, later = result["diagnostics"][0]["layers"], result["diagnostics"][-1]["layers"]
     assert all(row["bias_range"] == 0 for row in first)  # step 1 routes with the initial (zero) expert bias
     assert all(row["bias_range"] > 0 for row in later)  # step 6 with the bias of 5 updates
     assert math.isnan(first[0]["cos_mean_to_prev"]) and all(math.isfinite(r["cos_mean_to_prev"]) for r in first[1:])
     assert all(math.isnan(r["mean_step_change"]) and r["mean_half_gap"] > 0 for r in first)
     assert all(math.isfinite(r["mean_step_change"]) for r in later)
+    assert all(math.isnan(r["logit_common_step_cos"]) for r in first)
+    assert all(-1 <= r["logit_common_step_cos"] <= 1 for r in later)
     assert any(r["attn_adds_to_mean"] != 0 for r in later)  # attention's o_proj (zero at init) has grown
     summary = result["summary"]
     assert summary["last_step"] == STEPS and summary["E/K"] == 4
