@@ -37,7 +37,11 @@ a Hydra override, as for train.py. No evaluation, no checkpoint, a fresh start. 
   (mean_share over the batch and per sequence, averaged). Whether the hot expert's load is a few token
   ids (a load that moves as one block, which no bias can split): `hot_top1_id_share` and
   `hot_top10_id_share`, the share of the hot expert's tokens that its 1 and 10 commonest input ids hold,
-  beside `top10_id_share`, the 10 commonest ids' share of the batch.
+  beside `top10_id_share`, the 10 commonest ids' share of the batch. Where in the sequence the router
+  input's shared part sits: `u_mean_share_head` and `u_mean_share_tail` (u_mean_share over the first
+  S/16 positions and over the last S/2); and what other centrings would leave of it (each over x, at unit
+  RMS, whatever the router uses): `ema64_mean_share` and `ema512_mean_share` (x minus an exponential
+  moving average of the earlier positions with a window of 64 or 512 tokens).
 
 `--freeze attn.o_proj.weight` (diagnosis only) keeps those parameters at their initial values (zero:
 attention then adds nothing to the residual stream).
@@ -79,7 +83,8 @@ DIAG_FIELDS = ("max_over_mean", "aux_loss", "cos_to_mean", "mean_share", "mean_h
                "attn_adds_to_mean", "ffn_adds_to_mean",
                "seq_max_over_mean", "logit_seq_common_std", "logit_common_step_cos", "logit_expert_std_cv",
                "router_row_norm_cv", "hot_common_rank", "hot_std_rank", "hot_bias_rank", "u_mean_share",
-               "u_seq_mean_share", "hot_top1_id_share", "hot_top10_id_share", "top10_id_share")
+               "u_seq_mean_share", "hot_top1_id_share", "hot_top10_id_share", "top10_id_share",
+               "u_mean_share_head", "u_mean_share_tail", "ema64_mean_share", "ema512_mean_share")
 
 
 def diag_steps(steps: int, every: int) -> list[int]:
@@ -105,6 +110,20 @@ def _top_id_share(ids_T: torch.Tensor, vocab: int, n: int, weights_T: torch.Tens
     """The share of the tokens (those with weight 1 of weights_T; all without) that their n commonest ids hold."""
     counts = torch.bincount(ids_T, weights_T, minlength=vocab).float()
     return counts.topk(min(n, vocab)).values.sum() / counts.sum().clamp_min(1)
+
+
+def _ema_centred(x_BSD: torch.Tensor, window: int) -> torch.Tensor:
+    """x_t minus the exponential moving average of x_s, s < t (weights a^(t-1-s), a = 1 - 1/window, normalised
+    to sum 1, so position 1 subtracts x_0 as the prefix mean does; position 0 keeps x_0), at unit RMS. In fp64:
+    the scan's a^-s stays finite for S/window up to ~700."""
+    B, S, D = x_BSD.shape
+    a = 1.0 - 1.0 / window
+    pos = torch.arange(S, device=x_BSD.device, dtype=torch.float64)
+    scaled = x_BSD.double() * a ** -pos[None, :, None]
+    weight_sum = (1 - a ** pos) / (1 - a)  # sum_{s<t} a^(t-1-s)
+    before = (scaled.cumsum(1) - scaled) * (a ** (pos - 1) / weight_sum.clamp_min(1))[None, :, None]
+    c = (x_BSD.double() - before).float()
+    return c * torch.rsqrt(c.square().mean(-1, keepdim=True) + EPS)
 
 
 def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, ids_T: torch.Tensor, vocab: int, unigram_D: torch.Tensor,
@@ -154,7 +173,10 @@ def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, ids_T: torch.Tensor, 
         u_TD = c_TD * torch.rsqrt(ms_T + EPS).unsqueeze(-1)
     else:
         u_TD = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS)
-    u_seq_mean_share = torch.stack([_mean_share(u) for u in u_TD.view(B, S, D)]).mean()
+    u_BSD = u_TD.view(B, S, D)
+    u_seq_mean_share = torch.stack([_mean_share(u) for u in u_BSD]).mean()
+    head, tail = u_BSD[:, : max(S // 16, 1)].flatten(0, 1), u_BSD[:, S // 2:].flatten(0, 1)
+    ema = [_mean_share(_ema_centred(x.view(B, S, D), w).flatten(0, 1)) for w in (64, 512)]
     to_hot_T = (picks_BSK.flatten(0, 1) == hot).any(-1).float()
     row = torch.stack([counts.max() / counts.mean(), routed.aux_loss.float(), cos_to_mean, mean_share,
                        half_gap, step_change, _cos(mean_D, unigram_D),
@@ -165,7 +187,8 @@ def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, ids_T: torch.Tensor, 
                        seq_max_over_mean, logit_seq_common, common_step_cos, std_E.std(unbiased=False) / std_E.mean(),
                        row_norm_E.std(unbiased=False) / row_norm_E.mean(), _rank(common_E, hot), _rank(std_E, hot),
                        _rank(bias, hot), _mean_share(u_TD), u_seq_mean_share, _top_id_share(ids_T, vocab, 1, to_hot_T),
-                       _top_id_share(ids_T, vocab, 10, to_hot_T), _top_id_share(ids_T, vocab, 10)])
+                       _top_id_share(ids_T, vocab, 10, to_hot_T), _top_id_share(ids_T, vocab, 10),
+                       _mean_share(head), _mean_share(tail), *ema])
     return row, {"mean_D": mean_D, "common_E": common_E}
 
 

@@ -37,7 +37,8 @@ def test_routing_health_bench_writes_the_curve_and_the_diagnostics(tmp_path):
             assert 1 <= row["seq_max_over_mean"] <= 8 / 2 and row["logit_seq_common_std"] >= 0
             assert all(0 <= row[k] <= 1 for k in ("hot_common_rank", "hot_std_rank", "hot_bias_rank",
                                                     "u_mean_share", "u_seq_mean_share", "hot_top1_id_share",
-                                                    "top10_id_share"))
+                                                    "top10_id_share", "u_mean_share_head", "u_mean_share_tail",
+                                                    "ema64_mean_share", "ema512_mean_share"))
             assert row["hot_top1_id_share"] <= row["hot_top10_id_share"] <= 1
             assert row["logit_expert_std_cv"] > 0 and row["router_row_norm_cv"] > 0
     first, later = result["diagnostics"][0]["layers"], result["diagnostics"][-1]["layers"]
@@ -67,6 +68,25 @@ def test_frozen_attention_output_adds_nothing(tmp_path):
     assert all(r["attn_adds_to_mean"] == 0 for d in result["diagnostics"] for r in d["layers"])
     with pytest.raises(ValueError, match="--freeze"):
         run(tmp_path, "typo", "--freeze", "o_projection")
+
+
+def test_ema_centring_is_the_prefix_mean_at_an_infinite_window_and_a_moving_average_below():
+    import torch
+
+    from sonic.routing.scores import EPS, prefix_centre
+
+    x_BSD = torch.randn(2, 40, 3, generator=torch.Generator().manual_seed(0))
+    c_TD, ms_T = prefix_centre(x_BSD.reshape(80, 3), 40)
+    prefix_BSD = (c_TD * torch.rsqrt(ms_T + EPS)[:, None]).view(2, 40, 3)
+    torch.testing.assert_close(routing_health._ema_centred(x_BSD, 1e12), prefix_BSD)
+    a, want = 1 - 1 / 4, torch.empty(2, 40, 3, dtype=torch.float64)
+    for b in range(2):  # x_t minus the a-weighted mean of x_0..x_{t-1}
+        total, weight = torch.zeros(3, dtype=torch.float64), 0.0
+        for t in range(40):
+            want[b, t] = x_BSD[b, t].double() - (total / weight if weight else 0)
+            total, weight = a * total + x_BSD[b, t].double(), a * weight + 1
+    want = want.float() * torch.rsqrt(want.float().square().mean(-1, keepdim=True) + EPS)
+    torch.testing.assert_close(routing_health._ema_centred(x_BSD, 4), want)
 
 
 def test_summary_reads_the_issue_targets():
