@@ -33,8 +33,7 @@ a Hydra override, as for train.py. No evaluation, no checkpoint, a fresh start. 
   spread of the router's weight rows); the hottest expert's rank, from 0 (lowest) to 1 (highest),
   among the experts' mean logit (`hot_common_rank`), token std (`hot_std_rank`) and expert bias
   (`hot_bias_rank`); and of the router's input as the router reads it (the centred input at unit
-  RMS under input_centring=prefix, the projected one under prefix_project, else x at unit RMS): `u_mean_share`
-  and `u_seq_mean_share`
+  RMS under input_centring=prefix, else x at unit RMS): `u_mean_share` and `u_seq_mean_share`
   (mean_share over the batch and per sequence, averaged). Whether the hot expert's load is a few token
   ids (a load that moves as one block, which no bias can split): `hot_top1_id_share` and
   `hot_top10_id_share`, the share of the hot expert's tokens that its 1 and 10 commonest input ids hold,
@@ -42,9 +41,9 @@ a Hydra override, as for train.py. No evaluation, no checkpoint, a fresh start. 
   input's shared part sits: `u_mean_share_head` and `u_mean_share_tail` (u_mean_share over the first
   S/16 positions and over the last S/2); and what other centrings would leave of it (each over x, at unit
   RMS, whatever the router uses): `ema64_mean_share` and `ema512_mean_share` (x minus an exponential
-  moving average of the earlier positions with a window of 64 or 512 tokens), `project_mean_share` (prefix_project's
-  input, at unit RMS) and `c_along_mean_share` (the share of the prefix-centred input's energy that lies along its
-  prefix mean: how much of what centring keeps is the varying amount of the shared vector each token carries).
+  moving average of the earlier positions with a window of 64 or 512 tokens), and `c_along_mean_share` (the
+  share of the prefix-centred input's energy that lies along its prefix mean: how much of what centring keeps
+  is the varying amount of the shared vector each token carries).
 
 `--freeze attn.o_proj.weight` (diagnosis only) keeps those parameters at their initial values (zero:
 attention then adds nothing to the residual stream).
@@ -70,7 +69,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from bench.common import result_path, write_json
-from sonic.routing.scores import EPS, prefix_centre, project_out_prefix_mean
+from sonic.routing.scores import EPS, prefix_centre
 from sonic.train import trainer
 from sonic.train.config import Config, register_schema, to_config
 
@@ -88,7 +87,7 @@ DIAG_FIELDS = ("max_over_mean", "aux_loss", "cos_to_mean", "mean_share", "mean_h
                "router_row_norm_cv", "hot_common_rank", "hot_std_rank", "hot_bias_rank", "u_mean_share",
                "u_seq_mean_share", "hot_top1_id_share", "hot_top10_id_share", "top10_id_share",
                "u_mean_share_head", "u_mean_share_tail", "ema64_mean_share", "ema512_mean_share",
-               "project_mean_share", "c_along_mean_share")
+               "c_along_mean_share")
 
 
 def diag_steps(steps: int, every: int) -> list[int]:
@@ -173,12 +172,10 @@ def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, ids_T: torch.Tensor, 
     row_norm_E = weight_ED.norm(dim=-1)
     hot = counts.argmax()
     c_TD, c_ms_T = prefix_centre(x, S)
-    q_TD, q_ms_T = project_out_prefix_mean(x, c_TD)
     m_TD = x - c_TD  # the prefix means
     along = ((c_TD * m_TD).sum(-1).square() / ((m_TD * m_TD).sum(-1) * (c_TD * c_TD).sum(-1)).clamp_min(1e-30)).mean()
     u_by_centring = {"none": x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS),
-                     "prefix": c_TD * torch.rsqrt(c_ms_T + EPS).unsqueeze(-1),
-                     "prefix_project": q_TD * torch.rsqrt(q_ms_T + EPS).unsqueeze(-1)}
+                     "prefix": c_TD * torch.rsqrt(c_ms_T + EPS).unsqueeze(-1)}
     u_TD = u_by_centring[router.cfg.input_centring]
     u_BSD = u_TD.view(B, S, D)
     u_seq_mean_share = torch.stack([_mean_share(u) for u in u_BSD]).mean()
@@ -195,8 +192,7 @@ def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, ids_T: torch.Tensor, 
                        row_norm_E.std(unbiased=False) / row_norm_E.mean(), _rank(common_E, hot), _rank(std_E, hot),
                        _rank(bias, hot), _mean_share(u_TD), u_seq_mean_share, _top_id_share(ids_T, vocab, 1, to_hot_T),
                        _top_id_share(ids_T, vocab, 10, to_hot_T), _top_id_share(ids_T, vocab, 10),
-                       _mean_share(head), _mean_share(tail), *ema, _mean_share(u_by_centring["prefix_project"]),
-                       along])
+                       _mean_share(head), _mean_share(tail), *ema, along])
     return row, {"mean_D": mean_D, "common_E": common_E}
 
 

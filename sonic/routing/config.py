@@ -32,8 +32,7 @@ class RoutingConfig:
     # relative gap to the mean load, (mean - count) / mean, so a hot expert is pulled back in a few steps
     bias_update_rule: str = "sign"
     # none: logits from the hidden state x (as Hugging Face OLMoE / Qwen3-MoE) | prefix: from x minus the mean of
-    # the earlier positions of its sequence, at unit RMS | prefix_project: that, minus its component along the mean
-    # too (keep deep routers balanced; sonic/routing/scores.py)
+    # the earlier positions of its sequence, at unit RMS (keeps deep routers balanced; sonic/routing/scores.py)
     input_centring: str = "none"
 
     def __post_init__(self):

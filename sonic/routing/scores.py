@@ -5,9 +5,6 @@ Legend: T tokens (B sequences of S), D hidden, E experts.
 none    logits = W x (every published MoE router; what Hugging Face OLMoE / Qwen3-MoE compute).
 prefix  logits = W c / rms(c), c_t = x_t - mean(x_s for the earlier positions s < t of its sequence)
         (position 0 keeps c = x). The router sees each token minus its context's shared vector.
-prefix_project
-        logits = W q / rms(q), q_t = c_t minus its component along that prefix mean m_t: the router sees
-        neither the shared vector nor how much of it each token carries.
 
 Why (docs/routing.md, section 3): at a high learning rate attention's output projection grows, and
 attention, which averages its values over the causal prefix, adds nearly the same vector to every
@@ -18,12 +15,7 @@ fraction of its norm between steps, so a running mean over past batches cannot r
 prefix mean, the same kind of average that attention takes, does. The rescale
 to unit RMS keeps the logits' scale whatever the share of the shared vector.
 
-Why project (docs/routing.md, section 3): once the shared vector is most of x, the amount of it that each
-token carries varies from token to token, and that variation, along one direction for the whole batch, is
-what c keeps most of; at unit RMS it no longer averages out (the tokens that carry less of it all lean the
-same way), so the logits regain a part that every token shares and the same experts win.
-
-All read only earlier positions of the same sequence, so a token's route never depends on the
+Both read only earlier positions of the same sequence, so a token's route never depends on the
 future or on other sequences, and evaluation routes as training does. No state, nothing in a
 checkpoint. The experts and the rest of the block still read the full hidden state.
 """
@@ -36,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-CENTRINGS = ("none", "prefix", "prefix_project")
+CENTRINGS = ("none", "prefix")
 EPS = 1e-6  # as RMSNorm's: c's RMS is O(1) (the block's input is normalised)
 
 
@@ -48,11 +40,7 @@ class RawScores(nn.Module):
 
 
 class PrefixCentredScores(nn.Module):
-    """routing.input_centring=prefix, or prefix_project (project=True)."""
-
-    def __init__(self, project: bool = False):
-        super().__init__()
-        self.project = project
+    """routing.input_centring=prefix."""
 
     def forward(self, x_TD: Tensor, weight_ED: Tensor, seq_len: int | None = None, ops=None) -> Tensor:
         """seq_len: the length S of the sequences x_TD holds, in order (None: one sequence of T). ops: the routing
@@ -60,51 +48,31 @@ class PrefixCentredScores(nn.Module):
         T, _ = x_TD.shape
         S = T if seq_len is None else seq_len
         assert S > 0 and T % S == 0, (T, S)
-        return _centred_logits(x_TD, weight_ED, S, (ops or sys.modules[__name__]).__name__, self.project)[0]
+        return _centred_logits(x_TD, weight_ED, S, (ops or sys.modules[__name__]).__name__)[0]
 
 
 # logits = (W c) * rstd, rstd = rsqrt(mean(c^2) + EPS), c = prefix_centre(x), as one op with its own backward op,
 # which recomputes c and W c: autograd through the plain ops would keep c, one more T x D tensor per layer, and so
 # would torch.compile's partitioner with the recompute in view (it merges it with the forward's and saves the
-# result). Saved: x (which the experts keep anyway: the same storage), W and rstd. project=True: c is replaced by
-# q = project_out_prefix_mean(x, c) (prefix_project).
+# result). Saved: x (which the experts keep anyway: the same storage), W and rstd.
 @torch.library.custom_op("sonic::prefix_centred_logits", mutates_args=())
-def _centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int, ops: str, project: bool) -> tuple[Tensor, Tensor]:
+def _centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
     c_TD, mean_square_T = importlib.import_module(ops).prefix_centre(x_TD, seq_len)
-    if project:
-        c_TD, mean_square_T = project_out_prefix_mean(x_TD, c_TD)
     rstd_T = torch.rsqrt(mean_square_T + EPS)
     return F.linear(c_TD, weight_ED).to(rstd_T.dtype) * rstd_T.unsqueeze(-1), rstd_T
 
 
-def project_out_prefix_mean(x_TD: Tensor, c_TD: Tensor) -> tuple[Tensor, Tensor]:
-    """q = c - (c.m / m.m) m with m = x - c, the mean of the earlier positions (position 0: m = 0, q = c), in c's
-    dtype (computed in fp32 or wider), and the mean over D of q^2."""
-    acc = torch.promote_types(c_TD.dtype, torch.float32)
-    return _project(c_TD, x_TD.to(acc) - c_TD.to(acc))
-
-
-def _project(c_TD: Tensor, m_TD: Tensor) -> tuple[Tensor, Tensor]:
-    """project_out_prefix_mean from c and m (m in the accumulation dtype): differentiable in both."""
-    c = c_TD.to(m_TD.dtype)
-    mm_T = (m_TD * m_TD).sum(-1, keepdim=True)
-    q_TD = (c - (c * m_TD).sum(-1, keepdim=True) / mm_T.clamp_min(torch.finfo(m_TD.dtype).tiny) * m_TD).to(c_TD.dtype)
-    return q_TD, torch.linalg.vector_norm(q_TD, dim=-1, dtype=m_TD.dtype).square() / c_TD.shape[1]
-
-
 @_centred_logits.register_fake
-def _(x_TD, weight_ED, seq_len, ops, project):
+def _(x_TD, weight_ED, seq_len, ops):
     acc = torch.promote_types(x_TD.dtype, torch.float32)
     return x_TD.new_empty((x_TD.shape[0], weight_ED.shape[0]), dtype=acc), x_TD.new_empty((x_TD.shape[0],), dtype=acc)
 
 
 @torch.library.custom_op("sonic::prefix_centred_logits_backward", mutates_args=())
 def _centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor, rstd_T: Tensor, seq_len: int,
-                             ops: str, project: bool) -> tuple[Tensor, Tensor]:
+                             ops: str) -> tuple[Tensor, Tensor]:
     ops_module = importlib.import_module(ops)
     c_TD, _ = ops_module.prefix_centre(x_TD, seq_len)
-    if project:
-        return _projected_backward(dlogits_TE, x_TD, c_TD, weight_ED, rstd_T, seq_len, ops_module)
     z_TE = F.linear(c_TD, weight_ED)  # as the forward computed it: the same GEMM on the same inputs
     dz_TE = (dlogits_TE * rstd_T.unsqueeze(-1)).to(z_TE.dtype)
     # d rstd = <dlogits, W c>; rstd = (ms + EPS)^-1/2 and ms = |c|^2 / D, so dc gains (2/D) d ms * c
@@ -114,46 +82,24 @@ def _centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor
     return dx_TD, dz_TE.t() @ c_TD
 
 
-def _projected_backward(dlogits_TE: Tensor, x_TD: Tensor, c_TD: Tensor, weight_ED: Tensor, rstd_T: Tensor,
-                        seq_len: int, ops_module) -> tuple[Tensor, Tensor]:
-    """prefix_project's backward, per row: q = c - a m with a = c.m / m.m, then as prefix's (logits = (W q) rstd);
-    x's gradient through the scan c = C x and m = x - c: dx = dm + C^T (dc - dm)."""
-    acc = rstd_T.dtype
-    c, m = c_TD.to(acc), x_TD.to(acc) - c_TD.to(acc)  # as project_out_prefix_mean's
-    q_TD, _ = _project(c_TD, m)
-    z_TE = F.linear(q_TD, weight_ED)  # as the forward computed it
-    dz_TE = (dlogits_TE * rstd_T.unsqueeze(-1)).to(z_TE.dtype)
-    drstd_T = (dlogits_TE * z_TE.to(acc)).sum(-1)
-    alpha_T = drstd_T * rstd_T.pow(3) * (-1.0 / x_TD.shape[1])
-    dq = (dz_TE @ weight_ED).to(acc) + alpha_T.unsqueeze(-1) * q_TD.to(acc)
-    mm_T = (m * m).sum(-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
-    a_T = (c * m).sum(-1, keepdim=True) / mm_T
-    s_T = (dq * m).sum(-1, keepdim=True) / mm_T  # d loss / d a = -(dq . m); divided by m.m once (m = 0 rows: 0)
-    dc = dq - s_T * m
-    dm = -a_T * dq - s_T * (c - 2 * a_T * m)
-    g_TD = (dc - dm).to(x_TD.dtype)
-    dx_TD = dm + ops_module.prefix_centre_backward(g_TD, c_TD, torch.zeros_like(rstd_T), seq_len).to(acc)
-    return dx_TD.to(x_TD.dtype), dz_TE.t() @ q_TD
-
-
 @_centred_logits_backward.register_fake
-def _(dlogits_TE, x_TD, weight_ED, rstd_T, seq_len, ops, project):
+def _(dlogits_TE, x_TD, weight_ED, rstd_T, seq_len, ops):
     return torch.empty_like(x_TD), torch.empty_like(weight_ED)
 
 
 def _setup(ctx, inputs, output):
-    x_TD, weight_ED, seq_len, ops, project = inputs
+    x_TD, weight_ED, seq_len, ops = inputs
     _, rstd_T = output
     ctx.save_for_backward(x_TD, weight_ED, rstd_T)
-    ctx.seq_len, ctx.ops, ctx.project = seq_len, ops, project
+    ctx.seq_len, ctx.ops = seq_len, ops
     ctx.mark_non_differentiable(rstd_T)
 
 
 def _backward(ctx, dlogits_TE, _drstd):
     x_TD, weight_ED, rstd_T = ctx.saved_tensors
     dx_TD, dweight_ED = _centred_logits_backward(dlogits_TE.contiguous(), x_TD, weight_ED, rstd_T, ctx.seq_len,
-                                                 ctx.ops, ctx.project)
-    return dx_TD, dweight_ED, None, None, None
+                                                 ctx.ops)
+    return dx_TD, dweight_ED, None, None
 
 
 _centred_logits.register_autograd(_backward, setup_context=_setup)
@@ -191,4 +137,4 @@ def prefix_centre_backward(dc_TD: Tensor, c_TD: Tensor, alpha_T: Tensor, seq_len
 
 def build_scores(centring: str) -> nn.Module:
     assert centring in CENTRINGS, centring
-    return RawScores() if centring == "none" else PrefixCentredScores(project=centring == "prefix_project")
+    return PrefixCentredScores() if centring == "prefix" else RawScores()

@@ -53,16 +53,15 @@ def check_parity(device: str, cases=CASES, dtypes=(torch.float32, torch.bfloat16
             torch.testing.assert_close(dx.float(), dx_ref.float(), rtol=tol, atol=tol * dx_ref.abs().max().item(),
                                        msg=what)
             # the router's logits and gradients through each backend's scan
-            for project in (False, True):  # prefix, prefix_project
-                grads = {}
-                for name, ops in (("fused", fused), ("torch", None)):
-                    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-                    logits = scores.PrefixCentredScores(project)(xg, wg, S, ops)
-                    grads[name] = (logits.detach(), *torch.autograd.grad((logits * dlogits).sum(), (xg, wg)))
-                for got, want, field in zip(grads["fused"], grads["torch"], ("logits", "dx", "dW")):
-                    scale = want.abs().max().item()
-                    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale,
-                                               msg=f"{field}: {what} project={project}")
+            grads = {}
+            for name, ops in (("fused", fused), ("torch", None)):
+                xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+                logits = scores.PrefixCentredScores()(xg, wg, S, ops)
+                grads[name] = (logits.detach(), *torch.autograd.grad((logits * dlogits).sum(), (xg, wg)))
+            for got, want, field in zip(grads["fused"], grads["torch"], ("logits", "dx", "dW")):
+                scale = want.abs().max().item()
+                torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale,
+                                           msg=f"{field}: {what}")
 
 
 def _interpreter_main() -> None:
@@ -84,9 +83,8 @@ def test_triton_centring_matches_torch_on_gpu(triton_device, poison):
     check_parity("cuda", CASES + [(4, 4096, 1536)])
 
 
-@pytest.mark.parametrize("project", [False, True], ids=["prefix", "prefix_project"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_prefix_scores_keep_no_centred_copy_for_backward(compiled, project):
+def test_prefix_scores_keep_no_centred_copy_for_backward(compiled):
     """The centred c is recomputed in backward: every (T, D) tensor autograd keeps is x itself (which the
     experts keep anyway), so the router adds only T-sized and T x E tensors to the block's held memory. Also
     under torch.compile with inductor's partitioner (min-cut), which merged the recompute with the forward's
@@ -99,7 +97,7 @@ def test_prefix_scores_keep_no_centred_copy_for_backward(compiled, project):
     w = torch.randn(E, D, requires_grad=True)
 
     def logits(x, w):
-        return scores.PrefixCentredScores(project)(x, w, S) * 2.0
+        return scores.PrefixCentredScores()(x, w, S) * 2.0
 
     if compiled:
         torch._dynamo.reset()

@@ -1,6 +1,5 @@
 """Router scores (routing.input_centring): prefix centring hides a per-sequence shared vector from the
-router, prefix_project also how much of it each token carries; both read no later position or other
-sequence and match their definitions."""
+router, reads no later position or other sequence, and matches its definition."""
 from __future__ import annotations
 
 import pytest
@@ -13,76 +12,35 @@ from sonic.routing import Router, RoutingConfig
 B, S, D, E, K = 3, 12, 16, 8, 2
 
 
-CENTRED = ["prefix", "prefix_project"]
-
-
-def prefix_router(centring: str = "prefix", **cfg) -> Router:
+def prefix_router(**cfg) -> Router:
     torch.manual_seed(0)
-    return Router(D, E, K, RoutingConfig(input_centring=centring, **cfg))
+    return Router(D, E, K, RoutingConfig(input_centring="prefix", **cfg))
 
 
-def definition(x_BSD: torch.Tensor, weight_ED: torch.Tensor, project: bool) -> torch.Tensor:
-    """c_t = x_t - m_t, m_t = mean(x_s, s < t) (c_0 = x_0); project: c_t minus its component along m_t;
-    logits = W c / rms(c), one position at a time."""
+def definition(x_BSD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
+    """c_t = x_t - mean(x_s, s < t) (c_0 = x_0); logits = W c / rms(c), one position at a time."""
     out = []
     for seq in x_BSD.double():
         for t in range(seq.shape[0]):
-            m = seq[:t].mean(0) if t else torch.zeros_like(seq[t])
-            c = seq[t] - m
-            if project and t:
-                c = c - (c @ m) / (m @ m) * m
+            c = seq[t] - seq[:t].mean(0) if t else seq[t]
             out.append(weight_ED.double() @ c / c.square().mean().add(1e-6).sqrt())
     return torch.stack(out)
 
 
-def assert_same_but_for_one_direction(centring: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    """prefix: the same logits. prefix_project: a shared vector added to the sequence turns its prefix mean, so
-    another direction of the D is removed; the logits stay close to (correlated with) those without it."""
-    if centring == "prefix":
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    else:
-        corr = torch.corrcoef(torch.stack([got.flatten(), want.flatten()]))[0, 1]
-        assert corr > 0.75, corr  # the raw router's logits follow the shared vector instead
-
-
-@pytest.mark.parametrize("centring", CENTRED)
-def test_prefix_scores_match_the_definition(centring):
-    router = prefix_router(centring)
+def test_prefix_scores_match_the_definition():
+    router = prefix_router()
     x = torch.randn(B, S, D)
     got = router.scores(x.view(-1, D), router.weight_ED, S)
-    want = definition(x, router.weight_ED.detach(), centring == "prefix_project")
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), definition(x, router.weight_ED.detach()), rtol=1e-5, atol=1e-5)
 
 
-def test_prefix_project_hides_how_much_of_the_shared_vector_each_token_carries():
-    """x_t = n_t + a_t M: a large per-sequence vector M whose amount a_t varies from token to token, skewed (a few
-    tokens carry much more). prefix removes M's mean but keeps (a_t - mean a) M, which at unit RMS leans one way
-    for most tokens, so they pick the same experts; prefix_project removes the direction too."""
-    Bn, Sn, Dn, En = 4, 256, 64, 16
-    gen = torch.Generator().manual_seed(0)
-    n = torch.randn(Bn, Sn, Dn, generator=gen)
-    amount = 1 + 0.5 * (torch.empty(Bn, Sn, 1).exponential_(generator=gen) - 1)
-    x = (n + amount * 10 * torch.randn(Bn, 1, Dn, generator=gen)).view(-1, Dn)
-    load = {}
-    for centring in ("none", *CENTRED):
-        torch.manual_seed(1)
-        counts = Router(Dn, En, K, RoutingConfig(input_centring=centring))(x, Sn).topk_counts_E.float()
-        load[centring] = (counts.max() / counts.mean()).item()
-    torch.manual_seed(1)
-    counts = Router(Dn, En, K, RoutingConfig(input_centring="prefix_project"))(n.view(-1, Dn), Sn).topk_counts_E
-    without_m = (counts.max() / counts.float().mean()).item()
-    assert load["none"] > 2.5 and load["prefix"] > 1.8, load
-    assert load["prefix_project"] < 1.5 and abs(load["prefix_project"] - without_m) < 0.2, (load, without_m)
-
-
-@pytest.mark.parametrize("centring", CENTRED)
-def test_prefix_centring_hides_a_per_sequence_shared_vector(centring):
-    router = prefix_router(centring)
+def test_prefix_centring_hides_a_per_sequence_shared_vector():
+    router = prefix_router()
     x = torch.randn(B, S, D)
     shared = 20 * torch.randn(B, 1, D)  # what attention writes at every position of a sequence, 20x the tokens
     plain = router.scores(x.view(-1, D), router.weight_ED, S).view(B, S, E)
     with_shared = router.scores((x + shared).view(-1, D), router.weight_ED, S).view(B, S, E)
-    assert_same_but_for_one_direction(centring, with_shared[:, 1:], plain[:, 1:])
+    torch.testing.assert_close(with_shared[:, 1:], plain[:, 1:], rtol=1e-4, atol=1e-4)
     assert not torch.allclose(with_shared[:, 0], plain[:, 0])  # position 0 has no earlier position to centre on
     raw = Router(D, E, K, RoutingConfig())  # for contrast: the raw router's top-K follows the shared vector
     with torch.no_grad():
@@ -91,9 +49,8 @@ def test_prefix_centring_hides_a_per_sequence_shared_vector(centring):
     assert picks.max() >= 0.9 * S * B  # nearly every token picks the same expert
 
 
-@pytest.mark.parametrize("centring", CENTRED)
-def test_prefix_centring_reads_no_later_position_and_no_other_sequence(centring):
-    router = prefix_router(centring)
+def test_prefix_centring_reads_no_later_position_and_no_other_sequence():
+    router = prefix_router()
     x = torch.randn(B, S, D)
     before = router.scores(x.view(-1, D), router.weight_ED, S).view(B, S, E)
     changed = x.clone()
@@ -105,9 +62,8 @@ def test_prefix_centring_reads_no_later_position_and_no_other_sequence(centring)
     assert not torch.allclose(after[1, 5:], before[1, 5:])
 
 
-@pytest.mark.parametrize("centring", CENTRED)
-def test_prefix_scores_gradcheck(centring):
-    router = prefix_router(centring).double()
+def test_prefix_scores_gradcheck():
+    router = prefix_router().double()
     x = torch.randn(2 * 5, D, dtype=torch.float64, requires_grad=True)
     w = router.weight_ED.detach().clone().requires_grad_()
     assert torch.autograd.gradcheck(lambda x, w: router.scores(x, w, 5), (x, w))
@@ -119,9 +75,8 @@ def test_raw_scores_are_the_linear_layer():
     assert torch.equal(router.scores(x, router.weight_ED, S), x @ router.weight_ED.T)
 
 
-@pytest.mark.parametrize("centring", CENTRED)
-def test_prefix_router_under_bf16_autocast_matches_fp32(centring):
-    router = prefix_router(centring)
+def test_prefix_router_under_bf16_autocast_matches_fp32():
+    router = prefix_router()
     x = torch.randn(B * S, D)
     fp32 = router(x, S).plan
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -132,7 +87,7 @@ def test_prefix_router_under_bf16_autocast_matches_fp32(centring):
     assert bf16.scores_R.dtype == torch.float32
 
 
-@pytest.mark.parametrize("centring", ["none", *CENTRED])
+@pytest.mark.parametrize("centring", ["none", "prefix"])
 def test_moe_block_centres_each_sequence_on_its_own(centring):
     """MoE passes the sequence length: a vector added to one whole sequence changes only that
     sequence's position 0 under prefix centring (everything under none)."""
@@ -151,8 +106,6 @@ def test_moe_block_centres_each_sequence_on_its_own(centring):
     before, after = (t.view(B, S, E) for t in logits)
     if centring == "prefix":
         torch.testing.assert_close(after[1, 1:], before[1, 1:], rtol=1e-4, atol=1e-4)
-    elif centring == "prefix_project":
-        assert_same_but_for_one_direction(centring, after[1, 1:], before[1, 1:])
     else:
         assert not torch.allclose(after[1, 1:], before[1, 1:])
     assert torch.equal(after[[0, 2]], before[[0, 2]])
