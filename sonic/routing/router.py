@@ -43,7 +43,7 @@ from sonic.routing.scores import build_scores
 @dataclass
 class RouterOutput:
     plan: RoutingPlan
-    loss: Tensor  # weighted aux + z losses, differentiable; add it to the training loss
+    loss: Tensor  # weighted aux, z and sequence-wise aux losses, differentiable; add it to the training loss
     aux_loss: Tensor  # unweighted, detached, for logging
     z_loss: Tensor  # unweighted, detached, for logging
     seq_aux_loss: Tensor  # unweighted, detached, for logging (0 unless routing.seq_aux_loss_coef > 0)
