@@ -152,8 +152,11 @@ class Field:
     scale: float = 1.0
     digits: int = 1
     suffix: str = ""
+    missing: str | None = None  # what an absent value reads as (None: it is an error)
 
     def cell(self, rec: Record, at: Where) -> str:
+        if self.missing is not None and rec.get(self.path) is None:
+            return self.missing
         return f"{rec.need(self.path) * self.scale:.{self.digits}f}{self.suffix}"
 
 
@@ -335,7 +338,8 @@ TABLES = (
           "the learning rate peaks at step 20 (`optim.warmup_steps=20`) and the run goes to step 100 "
           "(`bash bench/gpu.sh routing`, `bench.routing_health`). The token-rounding row ran before `e83d8c1`, "
           "which took most of its routing time out (its speed here is not token rounding's now). The rows with "
-          "a bias rule ran later, with the centring as one op; their first row is the same config again.",
+          "a bias rule ran later, with the centring as one op; their first row is the same config again. The rows "
+          "after them ran with diagnostics every 10 steps, which leave no clean interval to time (no k tokens/s).",
           rows=tuple(
               Row(label, f"bench/results/2026-11-24-h200-routing_health-{tag}.json") for label, tag in (
                   ("16 layers, router reads x", "16L-none"), ("16 layers, input centred", "16L-prefix"),
@@ -344,12 +348,21 @@ TABLES = (
                   ("16 layers, input centred (later commit)", "16L-topk-prefix"),
                   *((f"16 layers, input centred, proportional bias rule at {rate}",
                      f"16L-topk-prefix-bias_update_ruleproportional-bias_update_rate{rate}")
-                    for rate in ("0.05", "0.1", "0.2")))),
+                    for rate in ("0.05", "0.1", "0.2")),
+                  ("16 layers, input centred, diagnostics every 10 steps", "16L-topk-prefix-at1170b58"),
+                  ("16 layers, input centred, diagnostics every 10 steps, again", "16L-topk-prefix-ataf6b6df"),
+                  ("16 layers, input centred, sign bias rule at 0.05", "16L-topk-prefix-bias_update_rate0.05"),
+                  ("16 layers, input centred, aux loss 0.03", "16L-topk-prefix-aux_loss_coef0.03"),
+                  ("16 layers, input centred, aux loss 0.1", "16L-topk-prefix-aux_loss_coef0.1"),
+                  ("16 layers, router reads x, aux loss 0.1", "16L-topk-none-aux_loss_coef0.1"),
+                  ("16 layers, input centred, sequence-wise aux loss 0.01", "16L-topk-prefix-seq_aux_loss_coef0.01"),
+                  ("16 layers, centred input projected off its prefix mean (dropped)", "16L-topk-prefix_project"),
+                  ("the same, token rounding", "16L-token_rounding-prefix_project"))),
           columns=(Field("worst max/mean, steps 30-100", "summary.worst_max_over_mean_from_step_30", digits=2),
                    Field("worst max/mean, step 100", "summary.worst_max_over_mean_at_last_step", digits=2),
                    Field("layers over 2×, step 100", "summary.layers_over_2x_at_last_step", digits=0),
                    Field("loss, step 100", "summary.loss_at_last_step", digits=2),
-                   Field("k tokens/s", "summary.tokens_per_s_per_gpu", 1e-3))),
+                   Field("k tokens/s", "summary.tokens_per_s_per_gpu", 1e-3, missing="–"))),
     Table("block_h200", first="config, backend", caption="The MoE block as `sonic_7b` builds it (router with "
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
           "sonic-moe 0.1.2.post1 layer (router included), one H200, one process, seven interleaved rounds "

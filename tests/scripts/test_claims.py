@@ -152,3 +152,12 @@ def test_a_row_must_pick_exactly_one_record(repo):
     bad = Table("speed", TABLE.columns[:1], (Row("x", "bench/results/r.json", {"run": "missing"}),))
     with pytest.raises(ClaimError, match="0 records under 'records' match"):
         render(repo, {"speed": bad})
+
+
+def test_a_field_with_missing_reads_an_absent_value_as_it_and_without_it_raises():
+    rec = claims.Record("bench/results/r.json", {"summary": {"tokens_per_s_per_gpu": None, "loss": 6.5}},
+                 {"summary": {"tokens_per_s_per_gpu": None, "loss": 6.5}}, ())
+    assert Field("k tokens/s", "summary.tokens_per_s_per_gpu", 1e-3, missing="–").cell(rec, None) == "–"
+    assert Field("loss", "summary.loss", digits=2, missing="–").cell(rec, None) == "6.50"
+    with pytest.raises(ClaimError, match="tokens_per_s_per_gpu"):
+        Field("k tokens/s", "summary.tokens_per_s_per_gpu", 1e-3).cell(rec, None)
