@@ -15,11 +15,11 @@ def switch_aux_loss(probs_mean_E: Tensor, picks_E: Tensor) -> Tensor:
     f_e = the fraction of the top-K picks that went to e (no gradient; the caller may count them
     over the whole data-parallel batch), P_e = this batch's mean full-softmax probability of e
     (the gradient path). f comes from the token-choice top-K selection under every method, so
-    token rounding does not change the loss.
+    token rounding does not change the loss. Leading dims are independent groups (one loss each).
     """
-    E = probs_mean_E.shape[0]
-    frac_E = picks_E.to(probs_mean_E.dtype) / picks_E.sum().clamp_min(1)
-    return E * (frac_E * probs_mean_E).sum()
+    E = probs_mean_E.shape[-1]
+    frac_E = picks_E.to(probs_mean_E.dtype) / picks_E.sum(-1, keepdim=True).clamp_min(1)
+    return E * (frac_E * probs_mean_E).sum(-1)
 
 
 def sequence_aux_loss(logits_TE: Tensor, lse_T: Tensor, expert_idx_TK: Tensor, seq_len: int) -> Tensor:
@@ -34,8 +34,7 @@ def sequence_aux_loss(logits_TE: Tensor, lse_T: Tensor, expert_idx_TK: Tensor, s
     picks_BK = expert_idx_TK.reshape(B, -1).long()
     picks_BE = torch.zeros(B, E, dtype=probs_mean_BE.dtype, device=logits_TE.device).scatter_add_(
         1, picks_BK, torch.ones_like(picks_BK, dtype=probs_mean_BE.dtype))
-    frac_BE = picks_BE / picks_BK.shape[1]
-    return E * (frac_BE * probs_mean_BE).sum(-1).mean()
+    return switch_aux_loss(probs_mean_BE, picks_BE).mean()
 
 
 def z_loss(lse_T: Tensor) -> Tensor:
