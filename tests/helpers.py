@@ -94,3 +94,18 @@ def checkout_files(root: Path = CONFIGS.parent) -> dict[str, tuple[int, int]]:
 
 def changed_files(before: dict, after: dict) -> list[str]:
     return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
+def assert_padding(plan) -> None:
+    """A plan's rows past its live ones are padding as sonic/routing/plan.py defines it: expert E, token 0,
+    score 0, after every live row in rows_by_token_R and outside every expert's and token's range."""
+    import torch
+
+    live, R, E = plan.live_rows(), plan.num_rows, plan.num_experts
+    assert 0 <= live <= R
+    assert (plan.expert_idx_R[:live] < E).all() and (plan.expert_idx_R[live:] == E).all()
+    assert (plan.token_idx_R[live:] == 0).all() and (plan.scores_R[live:] == 0).all()
+    assert int(plan.token_offsets_T1[-1]) == live
+    assert sorted(plan.rows_by_token_R[live:].tolist()) == list(range(live, R))
+    by_token = plan.token_idx_R[plan.rows_by_token_R[:live].long()]
+    assert torch.equal(by_token, by_token.sort().values)

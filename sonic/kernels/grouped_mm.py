@@ -30,14 +30,21 @@ def unavailable_reason(device: torch.device) -> str | None:
 def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
             b1_EF: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
     tok = plan.token_idx_R.long()
-    ends_E = plan.expert_offsets_E1[1:]  # _grouped_mm takes each group's end row
+    E, R = w1_EFD.shape[0], plan.num_rows
+    # A padded plan's padding rows (sonic/routing/plan.py: token 0, gate 0) run as rows of the last expert.
+    # _grouped_mm leaves rows past its last group unwritten, in forward and backward; this keeps them finite
+    # without a masking pass over R x D, and the masked gate gives them no output and no gradient.
+    ends_E = plan.expert_offsets_E1[1:].clone()  # _grouped_mm takes each group's end row
+    ends_E[-1] = R
+    expert_R = plan.expert_idx_R.long().clamp(max=E - 1)
+    gate_R = torch.where(plan.expert_idx_R < E, plan.scores_R, torch.zeros_like(plan.scores_R))
     x_RD = x_TD[tok]  # materialised gather
     h_RF = compat.grouped_mm(x_RD, w1_EFD.transpose(-2, -1), ends_E)
     if b1_EF is not None:  # biases gathered in fp32 so that their gradient sums in fp32
-        h_RF = (h_RF.float() + b1_EF.float()[plan.expert_idx_R.long()]).to(x_TD.dtype)
+        h_RF = (h_RF.float() + b1_EF.float()[expert_R]).to(x_TD.dtype)
     a_RN = swiglu(h_RF).to(x_TD.dtype)
     y_RD = compat.grouped_mm(a_RN, w2_EDN.transpose(-2, -1), ends_E)
     if b2_ED is not None:
-        y_RD = (y_RD.float() + b2_ED.float()[plan.expert_idx_R.long()]).to(x_TD.dtype)
-    weighted_RD = (y_RD.float() * plan.scores_R.float()[:, None]).to(x_TD.dtype)
+        y_RD = (y_RD.float() + b2_ED.float()[expert_R]).to(x_TD.dtype)
+    weighted_RD = (y_RD.float() * gate_R.float()[:, None]).to(x_TD.dtype)
     return torch.zeros_like(x_TD).index_add_(0, tok, weighted_RD)

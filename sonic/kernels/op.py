@@ -77,6 +77,9 @@ def _backward(ctx, dout_TD, _dh):
     needs = [bool(n) and t is not None for n, t in zip(ctx.needs_input_grad[:6], given)]
     grads = _experts_backward(dout_TD.contiguous(), x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, scores_R, *meta,
                               ctx.backend, needs)
+    if needs[5]:  # a padded plan's padding rows (sonic/routing/plan.py) get no gradient, whatever a kernel left there
+        expert_idx_R = meta[1]
+        grads[5] = torch.where(expert_idx_R < w1_EFD.shape[0], grads[5], torch.zeros_like(grads[5]))
     return (*(g if need else None for g, need in zip(grads, needs)),) + (None,) * (len(meta) + 1)
 
 

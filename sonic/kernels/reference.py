@@ -36,8 +36,9 @@ def gather_sum(rows_RD: Tensor, plan: RoutingPlan, weight_R: Tensor | None = Non
     vals = acc(rows_RD) if weight_R is None else acc(rows_RD) * acc(weight_R)[:, None]
     out = vals.new_zeros(T, D)
     # rows grouped by token: index_add_ over a token-sorted sequence is deterministic on CPU
-    # and sums each token's rows in the same order as the fast kernels.
-    by_token = plan.rows_by_token_R.long()
+    # and sums each token's rows in the same order as the fast kernels. The live rows only: a padded
+    # plan's padding rows (sonic/routing/plan.py) come last and hold whatever the caller left there.
+    by_token = plan.rows_by_token_R[: plan.live_rows()].long()
     return out.index_add_(0, plan.token_idx_R.long()[by_token], vals[by_token])
 
 

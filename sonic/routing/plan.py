@@ -1,12 +1,18 @@
 """RoutingPlan: the single routing-metadata object every kernel backend consumes.
 
 Legend: T tokens, E experts, K top-k, R routed rows (T*K under top-K; data-dependent
-under token rounding or expert choice).
+under expert choice; a bound under token rounding, see below).
 
 Routed rows are sorted by expert, and by token within an expert, so that each expert's
 rows form one contiguous segment (the varlen-M grouped GEMM) and its gathers walk X in
 increasing address order. A token's rows, in turn, are listed by `rows_by_token_R` so
 that the aggregation is a deterministic per-token gather-sum without atomics.
+
+Padding: a plan whose row count is data dependent can be sized by a bound instead, so that building it
+never waits for the device (token rounding does this). Its live rows are [0, expert_offsets_E1[E]); the
+rows after them are padding: expert E (no expert), token 0, score 0, listed last in rows_by_token_R and
+outside every offset range. Every backend computes the live rows only (the grouped GEMMs schedule tiles
+from expert_offsets_E1, the gather-sums read token_offsets_T1), and padding gets no gradient.
 """
 from __future__ import annotations
 
@@ -46,7 +52,12 @@ class RoutingPlan:
 
     @property
     def num_rows(self) -> int:
+        """R: the rows' buffer size, padding included."""
         return self.token_idx_R.numel()
+
+    def live_rows(self) -> int:
+        """The routed rows that are not padding (a host sync: for tests and benchmarks)."""
+        return int(self.expert_offsets_E1[-1])
 
     def counts_E(self) -> Tensor:
         """Routed rows per expert (int32, on device, no host sync)."""
@@ -97,8 +108,9 @@ def build_plan(token_idx: Tensor, expert_idx: Tensor, scores: Tensor, num_tokens
     """Build a plan from unordered (token, expert, score) triples, or from triples already sorted by
     (expert, token) when `sorted_by_expert` (no sort needed then).
 
-    Each (token, expert) pair must appear at most once. Runs on the triples' device with
-    no host synchronisation; `scores` keeps its autograd history.
+    Each (token, expert) pair must appear at most once. A triple with expert `num_experts` is padding
+    (module docstring: token 0, score 0). Runs on the triples' device with no host synchronisation;
+    `scores` keeps its autograd history.
     """
     assert token_idx.shape == expert_idx.shape == scores.shape and token_idx.dim() == 1
     if sorted_by_expert:
@@ -110,15 +122,32 @@ def build_plan(token_idx: Tensor, expert_idx: Tensor, scores: Tensor, num_tokens
         # index_select, not scores[order]: its backward is an index_add (order is a permutation, so
         # no two rows collide), where advanced indexing's backward sorts: 1.2 ms per layer at T*K=131k
         scores_R = scores.index_select(0, order)
-    rows_by_token_R = torch.argsort(token_idx_R, stable=True).to(torch.int32)
+    # padding rows take token T here, so that they come last by token and no token's range holds them
+    token_key_R = torch.where(expert_idx_R < num_experts, token_idx_R, num_tokens)
+    rows_by_token_R = torch.argsort(token_key_R, stable=True).to(torch.int32)
     return RoutingPlan(
         token_idx_R=token_idx_R,
         expert_idx_R=expert_idx_R,
         scores_R=scores_R,
         expert_offsets_E1=_offsets(expert_idx_R, num_experts),
-        token_offsets_T1=_offsets(token_idx_R[rows_by_token_R.long()], num_tokens),
+        token_offsets_T1=_offsets(token_key_R[rows_by_token_R.long()], num_tokens),
         rows_by_token_R=rows_by_token_R,
     )
+
+
+def plan_from_mask(keep_ET: Tensor, gate_TE: Tensor, rows: int) -> RoutingPlan:
+    """Plan of the (expert, token) pairs that keep_ET marks, with their gates from gate_TE (differentiable),
+    padded to `rows` rows (module docstring) with no host sync. `rows` must be at least the marked count:
+    nonzero_static drops what passes it, so callers size it by a bound they can prove."""
+    E, T = keep_ET.shape
+    # E x T, row-major: the pairs come out sorted by expert, then token, as a plan's rows are
+    expert_idx, token_idx = torch.nonzero_static(keep_ET, size=rows, fill_value=-1).unbind(1)
+    live = expert_idx >= 0
+    expert_idx = torch.where(live, expert_idx, E)  # padding: expert E, token 0, score 0
+    token_idx = token_idx.clamp_min(0)
+    gate_R = gate_TE.reshape(-1).index_select(0, token_idx * E + expert_idx.clamp(max=E - 1))
+    scores = torch.where(live, gate_R, torch.zeros((), dtype=gate_R.dtype, device=gate_R.device))
+    return build_plan(token_idx, expert_idx, scores, T, E, sorted_by_expert=True)
 
 
 def plan_from_topk(expert_idx_TK: Tensor, scores_TK: Tensor, num_experts: int) -> RoutingPlan:

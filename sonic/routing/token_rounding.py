@@ -20,8 +20,8 @@ expert-choice (EC) candidates, so no tile is partial.
 
 Gates: TC rows keep their top-K gate; EC rows get P_te, as the official sonic-moe
 benchmark does. An aux-loss-free expert bias only moves the TC selection (step 1); the
-ranking keys and gates use the unbiased probabilities. Only the final row selection synchronises with the host (the row count is
-data dependent); counts and rounding decisions stay on device.
+ranking keys and gates use the unbiased probabilities. Nothing waits for the device: the plan's rows are
+padded to a bound (`max_rows`; sonic/routing/plan.py says how every kernel skips the padding).
 
 Under expert parallelism (`group`, the ep process group) an expert's GEMM runs over the rows
 that every rank of the group sends it, so the counts are rounded as one batch: f_e is summed
@@ -31,7 +31,8 @@ batch would (tokens numbered rank-major). Each rank's candidates for e are alrea
 a window of 2M of them around its own f_e can be on the boundary (|c_e - f_e| < M), so the ranks
 all-gather those windows' (key, P, token) triples, E * 2M per rank, and merge them. Stochastic
 rounding sums the ranks' uniform draws mod 1, which is uniform and the same on every rank.
-nearest_score would need the group's ranked gate sums and is not supported there.
+nearest_score would need the group's ranked gate sums and is not supported there. This path's plan has
+no padding (the all-to-all dispatch reads every row's expert), so it waits once for its row count.
 
 Rounding rules (r_e = f_e mod M; every rule returns down_e when r_e = 0):
   nearest        up iff 2 r_e >= M (NR-f; a tie rounds up, keeping the TC picks)
@@ -57,7 +58,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from sonic import compat
-from sonic.routing.plan import RoutingPlan, TopK, build_plan
+from sonic.routing.plan import RoutingPlan, TopK, build_plan, plan_from_mask
 from sonic.routing.token_choice import count_per_expert, select, topk_method
 
 
@@ -158,8 +159,8 @@ def _segment_sum(sorted_R: Tensor, start_E: Tensor, lo_E: Tensor, hi_E: Tensor) 
     return csum_R1.gather(0, start_E + hi_E) - csum_R1.gather(0, start_E + lo_E)
 
 
-# Eager under a compiled block: the plan's row count is data dependent (a host sync and a graph break in
-# any case), and inductor on torch 2.11 failed to generate a T x E cumsum here (SplitScan) on the H200.
+# Eager under a compiled block: inductor on torch 2.11 failed to generate a T x E cumsum here (SplitScan) on
+# the H200. The plan is sized by max_rows, so building it never waits for the device.
 @torch.compiler.disable
 def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, tile: int, mode: str,
                         residual_E: Tensor | None = None, group: dist.ProcessGroup | None = None) -> RoundedPlan:
@@ -192,10 +193,16 @@ def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tenso
         keep_R = picks.rank_R < rounded_E.gather(0, picks.expert_R)
         keep_ET = _top_candidates(probs_ec_ET, (rounded_E - counts_E).clamp_min(0), top_EM)
         keep_ET.view(-1).scatter_(0, picks.expert_R * T + picks.token_R, keep_R)
-        expert_idx, token_idx = keep_ET.nonzero(as_tuple=True)  # the one host sync: the kept row count
-    scores = gate_TE.view(-1).index_select(0, token_idx * E + expert_idx)
-    plan = build_plan(token_idx, expert_idx, scores, T, E, sorted_by_expert=True)
+    # padded to a bound on the kept count, so that nothing waits for the device
+    plan = plan_from_mask(keep_ET, gate_TE, max_rows(T, expert_idx_TK.shape[1], E, tile, mode))
     return RoundedPlan(plan, counts_E, rounded_E)
+
+
+def max_rows(num_tokens: int, top_k: int, num_experts: int, tile: int, mode: str) -> int:
+    """A bound on the rows token rounding keeps: each c_e is at most f_e plus what rounding up adds
+    (under M/2 under nearest, under M otherwise, nothing under down) and at most T, and sum f_e = T*K."""
+    slack = {"nearest": tile // 2, "down": 0}.get(mode, tile - 1)
+    return min(num_tokens * top_k + num_experts * slack, num_tokens * num_experts)
 
 
 def _token_rounding_plan_ep(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, tile: int, mode: str,

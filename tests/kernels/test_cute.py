@@ -13,7 +13,7 @@ import torch
 
 from sonic.kernels import reference, resolve_backend
 from sonic.kernels.swiglu import dswiglu, swiglu
-from sonic.routing.plan import plan_from_topk
+from sonic.routing.plan import plan_from_mask, plan_from_topk
 
 # --------------------------------------------------------------------------- CPU
 def test_import_does_not_load_cutlass():
@@ -60,6 +60,10 @@ def make_plan(T: int, E: int, K: int, routing: str, seed: int):
     elif routing == "empty":  # only a third of the experts receive rows
         logits[:, torch.arange(E, device="cuda") % 3 != 0] = -1e4
     top, idx = logits.topk(K, dim=-1)
+    if routing == "padded":  # the top-K rows padded as token rounding pads them (sonic/routing/plan.py)
+        gate_TE = torch.zeros(T, E, device="cuda").scatter(1, idx, torch.softmax(top, -1))
+        keep_ET = torch.zeros(T, E, dtype=torch.bool, device="cuda").scatter(1, idx, True).T.contiguous()
+        return plan_from_mask(keep_ET, gate_TE, T * K + 150)
     return plan_from_topk(idx, torch.softmax(top, -1), E)
 
 
@@ -181,10 +185,16 @@ def _layer(backend, x, w1, w2, plan, dout):
     return out, x.grad, w1.grad, w2.grad, scores.grad, sum(saved)
 
 
-@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("routing", ROUTINGS + ["padded"])
 @pytest.mark.gpu
 @needs_cute
-def test_layer_forward_backward(routing):
+def test_layer_forward_backward(routing, monkeypatch):
+    """The whole layer against the fp32 reference, the backward's buffers poisoned (NaN): a padded plan's
+    padding rows must neither reach a gradient nor leave NaN in one."""
+    from sonic.kernels.cute import function
+    from tests.conftest import poisoned_empty
+
+    monkeypatch.setattr(function, "_alloc", poisoned_empty)
     T, D, N, E, K = 640, 256, 128, 8, 2
     plan = make_plan(T, E, K, routing, seed=21)
     x, w1, w2 = inputs(T, D, N, E, seed=4)

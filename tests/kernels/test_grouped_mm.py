@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sonic.kernels import grouped_mm, reference
-from sonic.routing.plan import build_plan, plan_from_topk
+from sonic.routing.plan import build_plan, plan_from_mask, plan_from_topk
 
 needs_grouped_mm = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
 
@@ -54,17 +54,23 @@ def test_cpu_matches_reference(bias, skew):
 
 
 @needs_grouped_mm
-def test_cpu_variable_rows_per_token():
-    """Token-rounding-like plans (some tokens routed to no expert) go through unchanged."""
+@pytest.mark.parametrize("padding", [0, 13])
+def test_cpu_variable_rows_per_token(padding):
+    """Token-rounding-like plans (some tokens routed to no expert, and padded as token rounding pads them:
+    sonic/routing/plan.py) go through unchanged, expert biases included."""
     T, D, N, E = 40, 32, 16, 5
     gen = torch.Generator().manual_seed(3)
     mask = torch.rand(T, E, generator=gen) < 0.3
     mask[0] = False
-    tok, exp = mask.nonzero(as_tuple=True)
-    plan = build_plan(tok, exp, torch.rand(tok.numel(), generator=gen), T, E)
-    x, w1, w2, _, _, _, dout = problem(T, D, N, E, 2, False, torch.float32, "cpu", 4)
-    got = grads(grouped_mm.experts, x, w1, w2, None, None, plan, dout)
-    want = grads(reference.experts, x, w1, w2, None, None, plan, dout)
+    if padding:
+        plan = plan_from_mask(mask.T.contiguous(), torch.rand(T, E, generator=gen), int(mask.sum()) + padding)
+        assert plan.num_rows > plan.live_rows()
+    else:
+        tok, exp = mask.nonzero(as_tuple=True)
+        plan = build_plan(tok, exp, torch.rand(tok.numel(), generator=gen), T, E)
+    x, w1, w2, b1, b2, _, dout = problem(T, D, N, E, 2, True, torch.float32, "cpu", 4)
+    got = grads(grouped_mm.experts, x, w1, w2, b1, b2, plan, dout)
+    want = grads(reference.experts, x, w1, w2, b1, b2, plan, dout)
     for a, b in zip(got, want):
         if b is not None:
             assert rel_err(a, b) <= 1e-5

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sonic.kernels import reference
-from sonic.routing.plan import RoutingPlan, build_plan, plan_from_topk
+from sonic.routing.plan import RoutingPlan, build_plan, plan_from_mask, plan_from_topk
 from tests.helpers import run_in_triton_interpreter
 
 BF16_TOL = 1e-2
@@ -52,6 +52,14 @@ def variable_plan(T, E, device, gen) -> RoutingPlan:
     return build_plan(tok, exp, scores, T, E)
 
 
+def padded_plan(T, E, K, device, gen, extra: int) -> RoutingPlan:
+    """A top-K plan padded with `extra` rows (sonic/routing/plan.py), as token rounding sizes its plans."""
+    top, idx = torch.randn(T, E, generator=gen, device=device).topk(K, dim=-1)
+    gate_TE = torch.zeros(T, E, device=device).scatter(1, idx, top.softmax(-1))
+    keep_ET = torch.zeros(T, E, dtype=torch.bool, device=device).scatter(1, idx, True).T.contiguous()
+    return plan_from_mask(keep_ET, gate_TE, T * K + extra)
+
+
 def run(fn, x, w1, w2, b1, b2, plan, dout):
     leaves = [None if t is None else t.detach().clone().requires_grad_() for t in (x, w1, w2, b1, b2)]
     scores = plan.scores_R.detach().clone().requires_grad_()
@@ -74,6 +82,7 @@ CASES = {
     "k_equals_e": (96, 256, 128, 6, 6, False, "topk"),
     "ragged_tiles": (333, 200, 72, 7, 3, True, "topk"),
     "variable_rows": (400, 256, 128, 8, 0, True, "variable"),
+    "padded_rows": (300, 256, 128, 8, 2, True, "padded"),
 }
 
 
@@ -88,6 +97,8 @@ def test_matches_fp32_reference(case, triton_device, poison):
     w1, w2, b1, b2 = make_weights(E, N, D, bias, triton_device, gen)
     if routing == "variable":
         plan = variable_plan(T, E, triton_device, gen)
+    elif routing == "padded":
+        plan = padded_plan(T, E, K, triton_device, gen, extra=200)
     else:
         plan = topk_plan(T, E, K, triton_device, gen, skew=routing == "skew")
     dout = torch.randn(T, D, generator=gen, device=triton_device).to(torch.bfloat16)
@@ -204,10 +215,12 @@ def _interpreter_main() -> None:
     The interpreter has no bf16 dot, so fp32 and fp16 are checked; small tiles (16 rows,
     32 columns, 16-deep K) give several tiles per expert, ragged tails and several K steps.
     """
-    from sonic.kernels.triton import experts, tuning
+    from sonic.kernels.triton import experts, function, tuning
+    from tests.conftest import poisoned_empty
     from tests.helpers import patch_triton_interpreter
 
     patch_triton_interpreter()
+    function._alloc = poisoned_empty  # this subprocess only: every buffer the kernels write starts NaN / -1
 
     small = tuning.Config(16, 32, 16, 4, 1)
     for k in tuning.CANDIDATES:
@@ -221,15 +234,17 @@ def _interpreter_main() -> None:
         logits = torch.randn(T, E, generator=gen)
         logits[:, 0] += 2.0  # skewed
         top, idx = logits.topk(K, dim=-1)
-        plan = plan_from_topk(idx, top.softmax(-1), E)
         dout = torch.randn(T, D, generator=gen).to(dtype)
-        got = run(experts, x, w1, w2, b1, b2, plan, dout)
-        f64 = lambda t: None if t is None else t.double()  # noqa: E731
-        ref = run(reference.experts, f64(x), f64(w1), f64(w2), f64(b1), f64(b2), plan, dout.double())
-        for name, want in ref.items():
-            if want is not None:
-                err = rel_err(got[name], want)
-                assert err <= (2e-3 if dtype == torch.float16 else 1e-5), (T, D, N, E, K, name, err)
+        # the top-K plan, and the same rows padded as token rounding pads them (sonic/routing/plan.py)
+        for plan in (plan_from_topk(idx, top.softmax(-1), E), padded_plan(T, E, K, "cpu", gen, extra=21)):
+            got = run(experts, x, w1, w2, b1, b2, plan, dout)
+            f64 = lambda t: None if t is None else t.double()  # noqa: E731
+            ref = run(reference.experts, f64(x), f64(w1), f64(w2), f64(b1), f64(b2), plan, dout.double())
+            for name, want in ref.items():
+                if want is not None:
+                    assert torch.isfinite(got[name]).all(), (T, D, N, E, K, plan.num_rows, name)
+                    err = rel_err(got[name], want)
+                    assert err <= (2e-3 if dtype == torch.float16 else 1e-5), (T, D, N, E, K, name, err)
     print("interpreter ok")
 
 

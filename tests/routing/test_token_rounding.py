@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from sonic.routing import Router, RoutingConfig, round_counts, select_topk, token_rounding_plan
+from sonic.routing.token_rounding import max_rows
+from tests.helpers import assert_padding
 
 MODES = ("nearest", "stochastic", "nearest_score", "balance", "up", "down")
 
@@ -80,9 +82,14 @@ def test_rounding_properties(matrix, mode, order, renormalize):
                for e, g in zip(row, topk.gates_TK[t].tolist())}
     assert f_E.tolist() == torch.bincount(topk.expert_idx_TK.reshape(-1), minlength=E).tolist()
     assert plan.counts_E().tolist() == c_E.tolist()
-    key = plan.expert_idx_R.long() * T + plan.token_idx_R.long()
+    # sized by the bound, never by the kept count (no host sync); the rows past the live ones are padding
+    live = plan.live_rows()
+    assert plan.num_rows == max_rows(T, K, E, M, mode) >= live == int(c_E.sum())
+    assert_padding(plan)
+    key = plan.expert_idx_R[:live].long() * T + plan.token_idx_R[:live].long()
     assert (key[1:] > key[:-1]).all()  # no (token, expert) pair twice
-    gate_of_row = dict(zip(zip(plan.token_idx_R.tolist(), plan.expert_idx_R.tolist()), plan.scores_R.tolist()))
+    gate_of_row = dict(zip(zip(plan.token_idx_R[:live].tolist(), plan.expert_idx_R[:live].tolist()),
+                           plan.scores_R[:live].tolist()))
     for e in range(E):
         f, c = int(f_E[e]), int(c_E[e])
         down, up = f // M * M, min(math.ceil(f / M) * M, T)
@@ -218,7 +225,7 @@ def test_fewer_tokens_than_tile_caps_at_t():
     _, _, (plan, f_E, c_E) = route(logits_TE, K, M, "up")
     assert ((c_E == T) | (c_E == 0)).all() and torch.equal(c_E == 0, f_E == 0)
     _, _, (plan, f_E, c_E) = route(logits_TE, K, M, "down")
-    assert plan.num_rows == 0
+    assert plan.live_rows() == 0 and plan.num_rows == T * K  # down keeps at most the top-K rows
 
 
 def test_router_eval_mode_is_plain_topk():
