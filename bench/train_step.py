@@ -28,6 +28,7 @@ def main(argv=None):
     ap.add_argument("--model", default="sonic_7b")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--backend", default="triton", help="model.moe.kernel_backend")
+    ap.add_argument("--routing", default=None, help="model.moe.routing.method (default: the preset's)")
     ap.add_argument("--batch", default="4x4096", help="micro-batch x sequence length")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -40,7 +41,10 @@ def main(argv=None):
     if cuda and not torch.cuda.is_available():
         raise SystemExit("bench.train_step needs a CUDA GPU (or --device cpu for a smoke test)")
     B, S = (int(v) for v in args.batch.split("x"))
-    cfg = load_preset(args.model, num_layers=args.layers, moe={"kernel_backend": args.backend})
+    moe_overrides = {"kernel_backend": args.backend}
+    if args.routing:
+        moe_overrides["routing"] = {"method": args.routing}
+    cfg = load_preset(args.model, num_layers=args.layers, moe=moe_overrides)
     model = Transformer(cfg).to(args.device)
     model.init_weights(seed=0)
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
@@ -78,7 +82,8 @@ def main(argv=None):
     step_ms = {impl: ms["forward + backward"] + ms["clip_grad_norm"] + ms[f"AdamW step, {impl}"]
                for impl in optimizers}
     fpt = flops_per_token(cfg, S)
-    print(f"{args.model} cut to {args.layers} layers, backend {args.backend}, {B}x{S} tokens, "
+    print(f"{args.model} cut to {args.layers} layers, backend {args.backend}, routing {cfg.moe.routing.method}, "
+          f"{B}x{S} tokens, "
           f"{torch.cuda.get_device_name() if cuda else 'CPU'}")
     for name, v in ms.items():
         print(f"  {name:>26}: {v:8.2f} ms")
@@ -104,7 +109,8 @@ def main(argv=None):
     for name, t, n in kernels[:args.top]:
         print(f"  {t:8.2f} ms {100 * t / total:5.1f}% x{n:<5} {name[:110]}")
     path = result_path("train_step", args.json)
-    write_json(path, {"model": args.model, "layers": args.layers, "backend": args.backend, "batch": [B, S],
+    write_json(path, {"model": args.model, "layers": args.layers, "backend": args.backend,
+                      "routing": cfg.moe.routing.method, "batch": [B, S],
                       "compile": args.compile,
                       "phases_ms": ms, "steps": summary,
                       "kernels": [{"name": k, "ms": t, "count": n} for k, t, n in kernels[:100]]})

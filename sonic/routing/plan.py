@@ -139,12 +139,18 @@ def plan_from_mask(keep_ET: Tensor, gate_TE: Tensor, rows: int) -> RoutingPlan:
     """Plan of the (expert, token) pairs that keep_ET marks, with their gates from gate_TE (differentiable),
     padded to `rows` rows (module docstring) with no host sync. `rows` must be at least the marked count:
     nonzero_static drops what passes it, so callers size it by a bound they can prove."""
-    E, T = keep_ET.shape
     # E x T, row-major: the pairs come out sorted by expert, then token, as a plan's rows are
-    expert_idx, token_idx = torch.nonzero_static(keep_ET, size=rows, fill_value=-1).unbind(1)
-    live = expert_idx >= 0
-    expert_idx = torch.where(live, expert_idx, E)  # padding: expert E, token 0, score 0
-    token_idx = token_idx.clamp_min(0)
+    expert_R, token_R = torch.nonzero_static(keep_ET, size=rows, fill_value=-1).unbind(1)
+    return plan_from_pairs(expert_R, token_R, gate_TE)
+
+
+def plan_from_pairs(expert_R: Tensor, token_R: Tensor, gate_TE: Tensor) -> RoutingPlan:
+    """Plan of (expert, token) pairs sorted by expert, then token, each at most once, where -1 marks a
+    padding row (module docstring); their gates come from gate_TE (differentiable). No host sync."""
+    T, E = gate_TE.shape
+    live = expert_R >= 0
+    expert_idx = torch.where(live, expert_R, E)  # padding: expert E, token 0, score 0
+    token_idx = token_R.clamp_min(0)
     gate_R = gate_TE.reshape(-1).index_select(0, token_idx * E + expert_idx.clamp(max=E - 1))
     scores = torch.where(live, gate_R, torch.zeros((), dtype=gate_R.dtype, device=gate_R.device))
     return build_plan(token_idx, expert_idx, scores, T, E, sorted_by_expert=True)

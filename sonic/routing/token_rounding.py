@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from sonic import compat
-from sonic.routing.plan import RoutingPlan, TopK, build_plan, plan_from_mask
+from sonic.routing.plan import RoutingPlan, TopK, build_plan, plan_from_pairs
 from sonic.routing.token_choice import count_per_expert, select, topk_method
 
 
@@ -159,9 +159,6 @@ def _segment_sum(sorted_R: Tensor, start_E: Tensor, lo_E: Tensor, hi_E: Tensor) 
     return csum_R1.gather(0, start_E + hi_E) - csum_R1.gather(0, start_E + lo_E)
 
 
-# Eager under a compiled block: inductor on torch 2.11 failed to generate a T x E cumsum here (SplitScan) on
-# the H200. The plan is sized by max_rows, so building it never waits for the device.
-@torch.compiler.disable
 def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, tile: int, mode: str,
                         residual_E: Tensor | None = None, group: dist.ProcessGroup | None = None) -> RoundedPlan:
     """The rounded plan from the full softmax and the TC top-K picks with their gates; with an ep
@@ -174,28 +171,46 @@ def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tenso
     if group is not None:
         return _token_rounding_plan_ep(probs_TE, expert_idx_TK, gates_TK, tile, mode, residual_E, group)
     T, E = probs_TE.shape
-    dev = probs_TE.device
-    counts_E = count_per_expert(expert_idx_TK, E)
     gate_TE = probs_TE.scatter(1, expert_idx_TK, gates_TK)  # TC: top-K gate, EC: P_te (both differentiable)
-    with torch.no_grad():
-        picks = _rank_picks(probs_TE.detach(), expert_idx_TK, gates_TK.detach(), counts_E)
-        # experts x tokens: the scans and the top-M run along the innermost dim, and the kept mask's nonzero
-        # comes out sorted by expert, then token, as a plan's rows are
-        probs_ec_ET = probs_TE.detach().T.clone(memory_format=torch.contiguous_format)  # a copy, filled below
-        probs_ec_ET.view(-1).index_fill_(0, expert_idx_TK.reshape(-1) * T + picks.token_R, -torch.inf)  # no TC pick
-        top_EM = probs_ec_ET.topk(min(tile, T), dim=1).values
-        ranked_sums = None
-        if mode == "nearest_score":  # (added: the best up-f EC P's, dropped: the weakest f-down TC gates)
-            down_E, up_E = tile_bounds(counts_E, tile, T)
-            added_E = torch.nn.functional.pad(top_EM.double().cumsum(1), (1, 0)).gather(1, (up_E - counts_E)[:, None])[:, 0]
-            ranked_sums = (added_E, _segment_sum(picks.sorted_gate_R, picks.start_E, down_E, counts_E))
-        rounded_E = round_counts(counts_E, tile, mode, T, ranked_sums=ranked_sums, residual_E=residual_E)
-        keep_R = picks.rank_R < rounded_E.gather(0, picks.expert_R)
-        keep_ET = _top_candidates(probs_ec_ET, (rounded_E - counts_E).clamp_min(0), top_EM)
-        keep_ET.view(-1).scatter_(0, picks.expert_R * T + picks.token_R, keep_R)
-    # padded to a bound on the kept count, so that nothing waits for the device
-    plan = plan_from_mask(keep_ET, gate_TE, max_rows(T, expert_idx_TK.shape[1], E, tile, mode))
-    return RoundedPlan(plan, counts_E, rounded_E)
+    rows = max_rows(T, expert_idx_TK.shape[1], E, tile, mode)  # a bound on the kept count: nothing waits for it
+    expert_R, token_R, counts_E, rounded_E = _rounded_rows(probs_TE.detach(), expert_idx_TK, gates_TK.detach(),
+                                                           residual_E, tile, mode, rows)
+    return RoundedPlan(plan_from_pairs(expert_R, token_R, gate_TE), counts_E, rounded_E)
+
+
+# One opaque op under torch.compile: the compiled block keeps one graph around it (no graph break, whose
+# extra graphs cost the 40-layer step more host time than the GPU time routing takes), and inductor does not
+# see its scans (on torch 2.11 it failed to generate a T x E cumsum here, SplitScan, on the H200).
+@torch.library.custom_op("sonic::token_rounding_rows", mutates_args=())
+def _rounded_rows(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None, tile: int,
+                  mode: str, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The kept (expert, token) pairs sorted by expert, then token, padded with -1 to `rows`; f_e; c_e."""
+    T, E = probs_TE.shape
+    counts_E = count_per_expert(expert_idx_TK, E)
+    picks = _rank_picks(probs_TE, expert_idx_TK, gates_TK, counts_E)
+    # experts x tokens: the scans and the top-M run along the innermost dim, and the kept mask's nonzero
+    # comes out sorted by expert, then token, as a plan's rows are
+    probs_ec_ET = probs_TE.T.clone(memory_format=torch.contiguous_format)  # a copy, filled below
+    probs_ec_ET.view(-1).index_fill_(0, expert_idx_TK.reshape(-1) * T + picks.token_R, -torch.inf)  # no TC pick
+    top_EM = probs_ec_ET.topk(min(tile, T), dim=1).values
+    ranked_sums = None
+    if mode == "nearest_score":  # (added: the best up-f EC P's, dropped: the weakest f-down TC gates)
+        down_E, up_E = tile_bounds(counts_E, tile, T)
+        added_E = torch.nn.functional.pad(top_EM.double().cumsum(1), (1, 0)).gather(1, (up_E - counts_E)[:, None])[:, 0]
+        ranked_sums = (added_E, _segment_sum(picks.sorted_gate_R, picks.start_E, down_E, counts_E))
+    rounded_E = round_counts(counts_E, tile, mode, T, ranked_sums=ranked_sums, residual_E=residual_E)
+    keep_R = picks.rank_R < rounded_E.gather(0, picks.expert_R)
+    keep_ET = _top_candidates(probs_ec_ET, (rounded_E - counts_E).clamp_min(0), top_EM)
+    keep_ET.view(-1).scatter_(0, picks.expert_R * T + picks.token_R, keep_R)
+    expert_R, token_R = torch.nonzero_static(keep_ET, size=rows, fill_value=-1).unbind(1)
+    return expert_R.contiguous(), token_R.contiguous(), counts_E, rounded_E
+
+
+@_rounded_rows.register_fake
+def _(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows):
+    E = probs_TE.shape[1]
+    idx = lambda n: probs_TE.new_empty(n, dtype=torch.int64)  # noqa: E731
+    return idx(rows), idx(rows), idx(E), idx(E)
 
 
 def max_rows(num_tokens: int, top_k: int, num_experts: int, tile: int, mode: str) -> int:
@@ -205,6 +220,7 @@ def max_rows(num_tokens: int, top_k: int, num_experts: int, tile: int, mode: str
     return min(num_tokens * top_k + num_experts * slack, num_tokens * num_experts)
 
 
+@torch.compiler.disable  # collectives and the exact row count (a host sync) stay eager
 def _token_rounding_plan_ep(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, tile: int, mode: str,
                             residual_E: Tensor | None, group: dist.ProcessGroup) -> RoundedPlan:
     """Token rounding over an ep group's summed counts: each rank's full ranking, and the windows around
@@ -280,7 +296,8 @@ def recomputing() -> bool:
 
 def token_rounding_method(router, logits_TE: Tensor, backend) -> tuple[TopK, RoutingPlan, Tensor]:
     """routing.method=token_rounding: rounded counts in training mode, plain top-K in eval mode. Under
-    rounding_mode=balance the router's residual buffers carry f - c across steps (Router docstring)."""
+    rounding_mode=balance the router's residual buffers carry f - c across steps (Router docstring); asking
+    whether this forward is a recompute breaks a compiled graph there (the other modes keep one graph)."""
     if not router.training:
         return topk_method(router, logits_TE, backend)
     topk = select(router, logits_TE, backend)
