@@ -173,9 +173,9 @@ def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tenso
     T, E = probs_TE.shape
     gate_TE = probs_TE.scatter(1, expert_idx_TK, gates_TK)  # TC: top-K gate, EC: P_te (both differentiable)
     rows = max_rows(T, expert_idx_TK.shape[1], E, tile, mode)  # a bound on the kept count: nothing waits for it
-    expert_R, token_R, counts_E, rounded_E = _rounded_rows(probs_TE.detach(), expert_idx_TK, gates_TK.detach(),
-                                                           residual_E, tile, mode, rows)
-    return RoundedPlan(plan_from_pairs(expert_R, token_R, gate_TE), counts_E, rounded_E)
+    pairs_R2, counts_E, rounded_E = _rounded_rows(probs_TE.detach(), expert_idx_TK, gates_TK.detach(), residual_E,
+                                                  tile, mode, rows)
+    return RoundedPlan(plan_from_pairs(*pairs_R2.unbind(1), gate_TE), counts_E, rounded_E)
 
 
 # One opaque op under torch.compile: the compiled block keeps one graph around it (no graph break, whose
@@ -183,8 +183,8 @@ def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tenso
 # see its scans (on torch 2.11 it failed to generate a T x E cumsum here, SplitScan, on the H200).
 @torch.library.custom_op("sonic::token_rounding_rows", mutates_args=())
 def _rounded_rows(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None, tile: int,
-                  mode: str, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The kept (expert, token) pairs sorted by expert, then token, padded with -1 to `rows`; f_e; c_e."""
+                  mode: str, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The kept (expert, token) pairs (rows x 2) sorted by expert, then token, padded with -1; f_e; c_e."""
     T, E = probs_TE.shape
     counts_E = count_per_expert(expert_idx_TK, E)
     picks = _rank_picks(probs_TE, expert_idx_TK, gates_TK, counts_E)
@@ -202,15 +202,15 @@ def _rounded_rows(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, res
     keep_R = picks.rank_R < rounded_E.gather(0, picks.expert_R)
     keep_ET = _top_candidates(probs_ec_ET, (rounded_E - counts_E).clamp_min(0), top_EM)
     keep_ET.view(-1).scatter_(0, picks.expert_R * T + picks.token_R, keep_R)
-    expert_R, token_R = torch.nonzero_static(keep_ET, size=rows, fill_value=-1).unbind(1)
-    return expert_R.contiguous(), token_R.contiguous(), counts_E, rounded_E
+    # one output: CUDA's nonzero_static may return a transposed view, whose columns would alias each other
+    return torch.nonzero_static(keep_ET, size=rows, fill_value=-1).contiguous(), counts_E, rounded_E
 
 
 @_rounded_rows.register_fake
 def _(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows):
     E = probs_TE.shape[1]
-    idx = lambda n: probs_TE.new_empty(n, dtype=torch.int64)  # noqa: E731
-    return idx(rows), idx(rows), idx(E), idx(E)
+    idx = lambda *n: probs_TE.new_empty(n, dtype=torch.int64)  # noqa: E731
+    return idx(rows, 2), idx(E), idx(E)
 
 
 def max_rows(num_tokens: int, top_k: int, num_experts: int, tile: int, mode: str) -> int:
