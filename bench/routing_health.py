@@ -33,8 +33,8 @@ a Hydra override, as for train.py. No evaluation, no checkpoint, a fresh start. 
   spread of the router's weight rows); the hottest expert's rank, from 0 (lowest) to 1 (highest),
   among the experts' mean logit (`hot_common_rank`), token std (`hot_std_rank`) and expert bias
   (`hot_bias_rank`); and of the router's input as the router reads it (the centred input at unit
-  RMS under input_centring=prefix, twice under prefix_twice, else x at unit RMS): `u_mean_share` and
-  `u_seq_mean_share` (mean_share over the batch and per sequence, averaged). Whether the hot expert's load is a few token
+  RMS under input_centring=prefix, else x at unit RMS): `u_mean_share` and `u_seq_mean_share`
+  (mean_share over the batch and per sequence, averaged). Whether the hot expert's load is a few token
   ids (a load that moves as one block, which no bias can split): `hot_top1_id_share` and
   `hot_top10_id_share`, the share of the hot expert's tokens that its 1 and 10 commonest input ids hold,
   beside `top10_id_share`, the 10 commonest ids' share of the batch. Where in the sequence the router
@@ -69,7 +69,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from bench.common import result_path, write_json
-from sonic.routing.scores import EPS, prefix_centre, unit_prefix_centred
+from sonic.routing.scores import EPS, prefix_centre
 from sonic.train import trainer
 from sonic.train.config import Config, register_schema, to_config
 
@@ -174,10 +174,9 @@ def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, ids_T: torch.Tensor, 
     c_TD, c_ms_T = prefix_centre(x, S)
     m_TD = x - c_TD  # the prefix means
     along = ((c_TD * m_TD).sum(-1).square() / ((m_TD * m_TD).sum(-1) * (c_TD * c_TD).sum(-1)).clamp_min(1e-30)).mean()
-    u_by_centring = {"none": lambda: x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS),
-                     "prefix": lambda: c_TD * torch.rsqrt(c_ms_T + EPS).unsqueeze(-1),
-                     "prefix_twice": lambda: unit_prefix_centred(unit_prefix_centred(x, S), S)}
-    u_TD = u_by_centring[router.cfg.input_centring]()
+    u_by_centring = {"none": x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS),
+                     "prefix": c_TD * torch.rsqrt(c_ms_T + EPS).unsqueeze(-1)}
+    u_TD = u_by_centring[router.cfg.input_centring]
     u_BSD = u_TD.view(B, S, D)
     u_seq_mean_share = torch.stack([_mean_share(u) for u in u_BSD]).mean()
     head, tail = u_BSD[:, : max(S // 16, 1)].flatten(0, 1), u_BSD[:, S // 2:].flatten(0, 1)

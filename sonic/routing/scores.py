@@ -5,11 +5,6 @@ Legend: T tokens (B sequences of S), D hidden, E experts.
 none    logits = W x (every published MoE router; what Hugging Face OLMoE / Qwen3-MoE compute).
 prefix  logits = W c / rms(c), c_t = x_t - mean(x_s for the earlier positions s < t of its sequence)
         (position 0 keeps c = x). The router sees each token minus its context's shared vector.
-prefix_twice
-        the same again on u = c / rms(c): logits = W c' / rms(c'), c' the prefix-centred u. A measurement
-        (docs/routing.md, section 3): u still shares a direction over the batch when most tokens' small
-        token parts lean one way, which the rescale to unit RMS brings out; u's own prefix mean removes it.
-        Plain torch ops under autograd (it keeps T x D tensors for backward), not a fused op.
 
 Why (docs/routing.md, section 3): at a high learning rate attention's output projection grows, and
 attention, which averages its values over the causal prefix, adds nearly the same vector to every
@@ -33,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-CENTRINGS = ("none", "prefix", "prefix_twice")
+CENTRINGS = ("none", "prefix")
 EPS = 1e-6  # as RMSNorm's: c's RMS is O(1) (the block's input is normalised)
 
 
@@ -140,22 +135,6 @@ def prefix_centre_backward(dc_TD: Tensor, c_TD: Tensor, alpha_T: Tensor, seq_len
     return (g_BDS - later_BDS).transpose(1, 2).reshape(T, D).to(dc_TD.dtype)
 
 
-class TwicePrefixCentredScores(nn.Module):
-    """routing.input_centring=prefix_twice."""
-
-    def forward(self, x_TD: Tensor, weight_ED: Tensor, seq_len: int | None = None, ops=None) -> Tensor:
-        S = x_TD.shape[0] if seq_len is None else seq_len
-        u_TD = unit_prefix_centred(unit_prefix_centred(x_TD, S), S)
-        return F.linear(u_TD, weight_ED.to(u_TD.dtype))
-
-
-def unit_prefix_centred(x_TD: Tensor, seq_len: int) -> Tensor:
-    """prefix_centre(x) at unit RMS, differentiable, in fp32 or wider."""
-    acc = torch.promote_types(x_TD.dtype, torch.float32)
-    c_TD, mean_square_T = prefix_centre(x_TD.to(acc), seq_len)
-    return c_TD * torch.rsqrt(mean_square_T + EPS).unsqueeze(-1)
-
-
 def build_scores(centring: str) -> nn.Module:
     assert centring in CENTRINGS, centring
-    return {"prefix": PrefixCentredScores, "prefix_twice": TwicePrefixCentredScores}.get(centring, RawScores)()
+    return PrefixCentredScores() if centring == "prefix" else RawScores()

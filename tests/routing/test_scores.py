@@ -8,7 +8,6 @@ import torch
 from sonic.models.config import MoEConfig
 from sonic.models.moe import MoE
 from sonic.routing import Router, RoutingConfig
-from sonic.routing.scores import unit_prefix_centred
 
 B, S, D, E, K = 3, 12, 16, 8, 2
 
@@ -110,33 +109,3 @@ def test_moe_block_centres_each_sequence_on_its_own(centring):
     else:
         assert not torch.allclose(after[1, 1:], before[1, 1:])
     assert torch.equal(after[[0, 2]], before[[0, 2]])
-
-
-def test_twice_centred_scores_match_the_definition_and_shrink_a_skewed_shared_direction():
-    """prefix_twice: the prefix centring and unit rescale applied twice, then W. Its point: token parts that
-    mostly lean one way by a little and rarely the other way by a lot average to zero, but at unit RMS they
-    share a direction (the first pass leaves it); the second pass shrinks it."""
-    torch.manual_seed(0)
-    router = Router(D, E, K, RoutingConfig(input_centring="prefix_twice"))
-
-    def once(x_BSD):  # c / rms(c), one position at a time
-        out = torch.empty_like(x_BSD)
-        for b, seq in enumerate(x_BSD):
-            for t in range(seq.shape[0]):
-                c = seq[t] - seq[:t].mean(0) if t else seq[t]
-                out[b, t] = c / c.square().mean().add(1e-6).sqrt()
-        return out
-
-    x = torch.randn(B, S, D, dtype=torch.float64)
-    got = router.scores(x.view(-1, D), router.weight_ED.double(), S)
-    want = once(once(x)).view(-1, D) @ router.weight_ED.double().T
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-
-    # token parts along v: 7 in 8 tokens at -0.5 v, 1 in 8 at +3.5 v (mean 0), plus small noise
-    v = torch.randn(D)
-    v = v / v.norm() * D ** 0.5
-    lean = torch.where(torch.arange(64) % 8 == 7, 3.5, -0.5)
-    x = (lean[None, :, None] * v + 0.3 * torch.randn(8, 64, D)).view(-1, D)
-    share = lambda u: (u.mean(0).square().sum() / u.square().sum(-1).mean()).item()  # noqa: E731
-    once_TD = unit_prefix_centred(x, 64)
-    assert share(x) < 0.01 and share(once_TD) > 0.2 and share(unit_prefix_centred(once_TD, 64)) < 0.5 * share(once_TD)
