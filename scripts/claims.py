@@ -287,6 +287,8 @@ def e2e(label: str, file: str, run: str) -> Row:
 E2E_40L, E2E_40L_MB8 = "2026-11-23-2xh200-e2e-40L.json", "2026-11-23-2xh200-e2e-40L-mb8-noreshard.json"
 E2E_1X = "2026-11-24-1xh200-e2e-40L.json"
 E2E_1X_CENTRING, E2E_1X_TR = "2026-11-24-1xh200-e2e-40L-centring.json", "2026-11-24-1xh200-e2e-40L-tr.json"
+E2E_1X_TR_PADDED, E2E_1X_TR_OP = "2026-11-24-1xh200-e2e-40L-tr-padded.json", "2026-11-24-1xh200-e2e-40L-tr-op.json"
+E2E_1X_TR_OP_TRITON = "2026-11-24-1xh200-e2e-40L-tr-op-triton.json"
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
     Text("steps (averaged)", "steps_averaged"),
@@ -322,7 +324,16 @@ TABLES = (
               e2e("the same job, router reads x (`routing.input_centring=none`)", E2E_1X_CENTRING,
                   "cute_centring_none_40L"),
               e2e("recipe, one GPU, cute, top-K (a later job)", E2E_1X_TR, "cute_40L"),
-              e2e("the same job, `routing=token_rounding`", E2E_1X_TR, "cute_token_rounding_40L"))),
+              e2e("the same job, `routing=token_rounding`", E2E_1X_TR, "cute_token_rounding_40L"),
+              e2e("recipe, one GPU, cute, top-K (token rounding's plan padded to a bound: no host sync)",
+                  E2E_1X_TR_PADDED, "cute_40L"),
+              e2e("the same job, `routing=token_rounding` (its selection still breaks the compiled graph)",
+                  E2E_1X_TR_PADDED, "cute_token_rounding_40L"),
+              e2e("recipe, one GPU, cute, top-K (token rounding's selection one custom op: one graph)", E2E_1X_TR_OP,
+                  "cute_40L"),
+              e2e("the same job, `routing=token_rounding`", E2E_1X_TR_OP, "cute_token_rounding_40L"),
+              e2e("the same two on triton: top-K", E2E_1X_TR_OP_TRITON, "triton_40L"),
+              e2e("triton, `routing=token_rounding`", E2E_1X_TR_OP_TRITON, "triton_token_rounding_40L"))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),
@@ -334,7 +345,8 @@ TABLES = (
               e2e("one GPU, cute, centring as one op", E2E_1X_CENTRING, "cute_40L"),
               e2e("one GPU, cute, router reads x", E2E_1X_CENTRING, "cute_centring_none_40L"),
               e2e("one GPU, cute, token rounding", E2E_1X_TR, "cute_token_rounding_40L"))),
-    Table("routing_gpu", first="run", caption="`sonic_7b` on offline BPE text, micro-batch 4 × 4096, one H200: "
+    Table("routing_gpu", first="run", caption="`sonic_7b` on offline BPE text, micro-batch 4 × 4096, one H200 "
+          "(the last row: one H100): "
           "the learning rate peaks at step 20 (`optim.warmup_steps=20`) and the run goes to step 100 "
           "(`bash bench/gpu.sh routing`, `bench.routing_health`). The token-rounding row ran before `e83d8c1`, "
           "which took most of its routing time out (its speed here is not token rounding's now). The rows with "
@@ -357,7 +369,9 @@ TABLES = (
                   ("16 layers, router reads x, aux loss 0.1", "16L-topk-none-aux_loss_coef0.1"),
                   ("16 layers, input centred, sequence-wise aux loss 0.01", "16L-topk-prefix-seq_aux_loss_coef0.01"),
                   ("16 layers, centred input projected off its prefix mean (dropped)", "16L-topk-prefix_project"),
-                  ("the same, token rounding", "16L-token_rounding-prefix_project"))),
+                  ("the same, token rounding", "16L-token_rounding-prefix_project"))) + (
+              Row("16 layers, the centring and unit rescale applied twice (dropped)",
+                  "bench/results/2026-11-24-h100-routing_health-16L-topk-prefix_twice.json"),),
           columns=(Field("worst max/mean, steps 30-100", "summary.worst_max_over_mean_from_step_30", digits=2),
                    Field("worst max/mean, step 100", "summary.worst_max_over_mean_at_last_step", digits=2),
                    Field("layers over 2×, step 100", "summary.layers_over_2x_at_last_step", digits=0),
