@@ -51,6 +51,7 @@ Rounding rules (r_e = f_e mod M; every rule returns down_e when r_e = 0):
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -185,6 +186,58 @@ def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tenso
 def _rounded_rows(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None, tile: int,
                   mode: str, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     """The kept (expert, token) pairs (rows x 2) sorted by expert, then token, padded with -1; f_e; c_e."""
+    return select_rows(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows)
+
+
+@_rounded_rows.register_kernel("cuda")
+def _(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows):
+    key = (tuple(probs_TE.shape), probs_TE.dtype, tuple(expert_idx_TK.shape), gates_TK.dtype, residual_E is not None,
+           tile, mode, rows, probs_TE.device)
+    slot = _graph_slot(key)
+    if "graph" not in slot:
+        slot["graph"] = GraphedSelection(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows)
+    return slot["graph"](probs_TE, expert_idx_TK, gates_TK, residual_E)
+
+
+@functools.lru_cache(maxsize=8)
+def _graph_slot(key: tuple) -> dict:
+    """The captured selection of one shape class (bounded: a few shapes per process)."""
+    return {}
+
+
+class GraphedSelection:
+    """select_rows captured once as a CUDA graph for one shape class. Its dozens of small launches cost the host
+    more than the GPU time they take (the 40-layer step fell behind on the host); a replay costs one launch.
+    Everything in it is sync-free and sized by shapes alone (the rows are padded to max_rows), so it can be
+    captured; stochastic rounding's draw is captured from the default generator, which advances per replay."""
+
+    def __init__(self, probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None,
+                 tile: int, mode: str, rows: int):
+        self.inputs = [t.clone() for t in (probs_TE, expert_idx_TK, gates_TK, residual_E) if t is not None]
+        self.args = (tile, mode, rows)
+        side = torch.cuda.Stream(probs_TE.device)
+        side.wait_stream(torch.cuda.current_stream(probs_TE.device))
+        with torch.cuda.stream(side):  # a warm-up first: the sorts' and top-k's workspaces exist before capture
+            select_rows(*self._args())
+        torch.cuda.current_stream(probs_TE.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # data loader threads keep working
+            self.outputs = select_rows(*self._args())
+
+    def _args(self) -> tuple:
+        probs_TE, expert_idx_TK, gates_TK, *residual = self.inputs
+        return (probs_TE, expert_idx_TK, gates_TK, residual[0] if residual else None, *self.args)
+
+    def __call__(self, probs_TE, expert_idx_TK, gates_TK, residual_E) -> tuple[Tensor, Tensor, Tensor]:
+        for dst, src in zip(self.inputs, (t for t in (probs_TE, expert_idx_TK, gates_TK, residual_E) if t is not None)):
+            dst.copy_(src)
+        self.graph.replay()
+        return tuple(t.clone() for t in self.outputs)  # the graph's buffers are overwritten by the next replay
+
+
+def select_rows(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None, tile: int,
+                mode: str, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """sonic::token_rounding_rows's computation (module docstring, steps 1-4), no host sync."""
     T, E = probs_TE.shape
     counts_E = count_per_expert(expert_idx_TK, E)
     picks = _rank_picks(probs_TE, expert_idx_TK, gates_TK, counts_E)

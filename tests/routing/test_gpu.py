@@ -86,3 +86,34 @@ def test_prefix_centring_matches_cpu_and_never_syncs():
                                rtol=1e-4, atol=1e-4)
     x = x.cuda().requires_grad_()
     assert _syncs(lambda: gpu(x, 256)) == 0
+
+
+@pytest.mark.parametrize("cfg", ROUNDING, ids=lambda c: c["rounding_mode"])
+def test_token_rounding_graph_replays_fresh_inputs(cfg):
+    """On CUDA the selection is captured once as a CUDA graph and replayed: every later batch (new inputs into
+    the same captured buffers) must still give the CPU's plan, and earlier results must survive later replays."""
+    cpu, gpu = _router(cfg, "cpu"), _router(cfg, "cuda")
+    got, want = [], []
+    for seed in range(3):
+        x = torch.randn(1024, 64, generator=torch.Generator().manual_seed(10 + seed)) * (1 + seed)
+        want.append(cpu(x).plan)
+        got.append(gpu(x.cuda()).plan)
+    for a, b in zip(want, got):
+        for name, ta, tb in zip(("scores", "token", "expert", "expert_off", "token_off", "by_token"),
+                                a.tensors(), b.tensors()):
+            if name == "scores":
+                torch.testing.assert_close(tb.cpu(), ta, rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(tb.cpu(), ta), name
+    assert not torch.equal(got[0].expert_offsets_E1, got[1].expert_offsets_E1), "the batches must route differently"
+
+
+def test_stochastic_token_rounding_on_the_graph():
+    """The stochastic rule's draw happens inside the captured graph: every replay draws anew, and its counts
+    stay on the tile grid."""
+    router = _router(dict(method="token_rounding", rounding_mode="stochastic", tile_size=64), "cuda")
+    x = torch.randn(4096, 64, device="cuda")
+    counts = [router(x).counts_E for _ in range(6)]
+    for c in counts:
+        assert bool(((c % 64 == 0) | (c == 4096)).all())
+    assert len({tuple(c.tolist()) for c in counts}) > 1, "one draw replayed six times"
