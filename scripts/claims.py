@@ -289,6 +289,8 @@ E2E_1X = "2026-11-24-1xh200-e2e-40L.json"
 E2E_1X_CENTRING, E2E_1X_TR = "2026-11-24-1xh200-e2e-40L-centring.json", "2026-11-24-1xh200-e2e-40L-tr.json"
 E2E_1X_TR_PADDED, E2E_1X_TR_OP = "2026-11-24-1xh200-e2e-40L-tr-padded.json", "2026-11-24-1xh200-e2e-40L-tr-op.json"
 E2E_1X_TR_OP_TRITON = "2026-11-24-1xh200-e2e-40L-tr-op-triton.json"
+E2E_1X_TR_GRAPH, E2E_1X_TR_GRAPH_TRITON = ("2026-11-24-1xh200-e2e-40L-tr-graph.json",
+                                          "2026-11-24-1xh200-e2e-40L-tr-graph-triton.json")
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
     Text("steps (averaged)", "steps_averaged"),
@@ -333,7 +335,12 @@ TABLES = (
                   "cute_40L"),
               e2e("the same job, `routing=token_rounding`", E2E_1X_TR_OP, "cute_token_rounding_40L"),
               e2e("the same two on triton: top-K", E2E_1X_TR_OP_TRITON, "triton_40L"),
-              e2e("triton, `routing=token_rounding`", E2E_1X_TR_OP_TRITON, "triton_token_rounding_40L"))),
+              e2e("triton, `routing=token_rounding`", E2E_1X_TR_OP_TRITON, "triton_token_rounding_40L"),
+              e2e("recipe, one GPU, cute, top-K (token rounding's selection replayed as a CUDA graph)",
+                  E2E_1X_TR_GRAPH, "cute_40L"),
+              e2e("the same job, `routing=token_rounding`", E2E_1X_TR_GRAPH, "cute_token_rounding_40L"),
+              e2e("the same two on triton: top-K", E2E_1X_TR_GRAPH_TRITON, "triton_40L"),
+              e2e("triton, `routing=token_rounding`", E2E_1X_TR_GRAPH_TRITON, "triton_token_rounding_40L"))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),
