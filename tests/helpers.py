@@ -109,3 +109,15 @@ def assert_padding(plan) -> None:
     assert sorted(plan.rows_by_token_R[live:].tolist()) == list(range(live, R))
     by_token = plan.token_idx_R[plan.rows_by_token_R[:live].long()]
     assert torch.equal(by_token, by_token.sort().values)
+
+
+def padded_plan_from_topk(expert_idx_TK, gates_TK, num_experts: int, extra: int):
+    """The top-K picks' plan padded with `extra` rows (sonic/routing/plan.py), as token rounding sizes its plans."""
+    import torch
+
+    from sonic.routing.plan import plan_from_mask
+
+    T, K = expert_idx_TK.shape
+    gate_TE = torch.zeros(T, num_experts, device=gates_TK.device).scatter(1, expert_idx_TK, gates_TK)
+    keep_ET = torch.zeros(T, num_experts, dtype=torch.bool, device=gates_TK.device).scatter(1, expert_idx_TK, True)
+    return plan_from_mask(keep_ET.T.contiguous(), gate_TE, T * K + extra)

@@ -13,7 +13,8 @@ import torch
 
 from sonic.kernels import reference, resolve_backend
 from sonic.kernels.swiglu import dswiglu, swiglu
-from sonic.routing.plan import plan_from_mask, plan_from_topk
+from sonic.routing.plan import plan_from_topk
+from tests.helpers import padded_plan_from_topk
 
 # --------------------------------------------------------------------------- CPU
 def test_import_does_not_load_cutlass():
@@ -61,9 +62,7 @@ def make_plan(T: int, E: int, K: int, routing: str, seed: int):
         logits[:, torch.arange(E, device="cuda") % 3 != 0] = -1e4
     top, idx = logits.topk(K, dim=-1)
     if routing == "padded":  # the top-K rows padded as token rounding pads them (sonic/routing/plan.py)
-        gate_TE = torch.zeros(T, E, device="cuda").scatter(1, idx, torch.softmax(top, -1))
-        keep_ET = torch.zeros(T, E, dtype=torch.bool, device="cuda").scatter(1, idx, True).T.contiguous()
-        return plan_from_mask(keep_ET, gate_TE, T * K + 150)
+        return padded_plan_from_topk(idx, torch.softmax(top, -1), E, extra=150)
     return plan_from_topk(idx, torch.softmax(top, -1), E)
 
 

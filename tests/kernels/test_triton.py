@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from sonic.kernels import reference
-from sonic.routing.plan import RoutingPlan, build_plan, plan_from_mask, plan_from_topk
-from tests.helpers import run_in_triton_interpreter
+from sonic.routing.plan import RoutingPlan, build_plan, plan_from_topk
+from tests.helpers import padded_plan_from_topk, run_in_triton_interpreter
 
 BF16_TOL = 1e-2
 
@@ -55,9 +55,7 @@ def variable_plan(T, E, device, gen) -> RoutingPlan:
 def padded_plan(T, E, K, device, gen, extra: int) -> RoutingPlan:
     """A top-K plan padded with `extra` rows (sonic/routing/plan.py), as token rounding sizes its plans."""
     top, idx = torch.randn(T, E, generator=gen, device=device).topk(K, dim=-1)
-    gate_TE = torch.zeros(T, E, device=device).scatter(1, idx, top.softmax(-1))
-    keep_ET = torch.zeros(T, E, dtype=torch.bool, device=device).scatter(1, idx, True).T.contiguous()
-    return plan_from_mask(keep_ET, gate_TE, T * K + extra)
+    return padded_plan_from_topk(idx, top.softmax(-1), E, extra)
 
 
 def run(fn, x, w1, w2, b1, b2, plan, dout):
