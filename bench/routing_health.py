@@ -69,6 +69,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from bench.common import result_path, write_json
+from sonic.routing.losses import picks_per_sequence
 from sonic.routing.scores import EPS, prefix_centre
 from sonic.train import trainer
 from sonic.train.config import Config, register_schema, to_config
@@ -159,9 +160,8 @@ def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, ids_T: torch.Tensor, 
             for b in ("attn", "ffn")]
     # where the imbalance comes from: per-sequence loads and shared logits, the favoured experts over steps
     E = logits_TE.shape[1]
-    picks_BSK = (logits_TE + bias).topk(router.top_k, dim=-1).indices.view(B, S, -1)
-    seq_counts_BE = torch.zeros(B, E, device=x.device).scatter_add_(
-        1, picks_BSK.flatten(1), torch.ones(B, picks_BSK[0].numel(), device=x.device))
+    picks_TK = (logits_TE + bias).topk(router.top_k, dim=-1).indices
+    seq_counts_BE = picks_per_sequence(picks_TK, S, E, torch.float32)
     seq_max_over_mean = (seq_counts_BE.amax(-1) / seq_counts_BE.mean(-1)).mean()
     logit_seq_common = logits_TE.view(B, S, E).mean(1).std(-1, unbiased=False).mean()
     common_E = logits_TE.mean(0)
@@ -181,7 +181,7 @@ def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, ids_T: torch.Tensor, 
     u_seq_mean_share = torch.stack([_mean_share(u) for u in u_BSD]).mean()
     head, tail = u_BSD[:, : max(S // 16, 1)].flatten(0, 1), u_BSD[:, S // 2:].flatten(0, 1)
     ema = [_mean_share(_ema_centred(x.view(B, S, D), w).flatten(0, 1)) for w in (64, 512)]
-    to_hot_T = (picks_BSK.flatten(0, 1) == hot).any(-1).float()
+    to_hot_T = (picks_TK == hot).any(-1).float()
     row = torch.stack([counts.max() / counts.mean(), routed.aux_loss.float(), cos_to_mean, mean_share,
                        half_gap, step_change, _cos(mean_D, unigram_D),
                        _cos(mean_D, prev_layer["mean_D"]) if prev_layer is not None else nan,

@@ -31,10 +31,15 @@ def sequence_aux_loss(logits_TE: Tensor, lse_T: Tensor, expert_idx_TK: Tensor, s
     assert seq_len > 0 and T % seq_len == 0, (T, seq_len)
     B = T // seq_len
     probs_mean_BE = torch.exp(logits_TE.to(lse_T.dtype) - lse_T[:, None]).view(B, seq_len, E).mean(1)
-    picks_BK = expert_idx_TK.reshape(B, -1).long()
-    picks_BE = torch.zeros(B, E, dtype=probs_mean_BE.dtype, device=logits_TE.device).scatter_add_(
-        1, picks_BK, torch.ones_like(picks_BK, dtype=probs_mean_BE.dtype))
-    return switch_aux_loss(probs_mean_BE, picks_BE).mean()
+    return switch_aux_loss(probs_mean_BE, picks_per_sequence(expert_idx_TK, seq_len, E, probs_mean_BE.dtype)).mean()
+
+
+def picks_per_sequence(expert_idx_TK: Tensor, seq_len: int, num_experts: int, dtype: torch.dtype) -> Tensor:
+    """(B, E): how many of each sequence's top-K picks went to each expert (T = B * seq_len, rows in sequence
+    order)."""
+    picks_BK = expert_idx_TK.reshape(expert_idx_TK.shape[0] // seq_len, -1).long()
+    return torch.zeros(picks_BK.shape[0], num_experts, dtype=dtype, device=expert_idx_TK.device).scatter_add_(
+        1, picks_BK, torch.ones_like(picks_BK, dtype=dtype))
 
 
 def z_loss(lse_T: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sonic.kernels import reference
 from sonic.routing import Router, RoutingConfig, expert_capacity
+from sonic.routing.losses import picks_per_sequence
 
 
 def router_with_logits(logits_TE, K, **cfg):
@@ -117,6 +118,13 @@ def test_sequence_aux_loss_sees_what_the_batch_loss_averages_away():
     plain, x = router_with_logits(logits, 1)
     out = plain(x, seq_len=4)
     assert out.seq_aux_loss.item() == 0 and out.loss.item() == pytest.approx(0.01 * 1.0, rel=1e-6)
+
+
+def test_picks_per_sequence_counts_each_sequence_apart():
+    """Rows are in sequence order: sequence b owns rows b*S .. (b+1)*S - 1, each row's K picks count once."""
+    expert_idx_TK = torch.tensor([[0, 1], [0, 2], [3, 1], [3, 3]])
+    got = picks_per_sequence(expert_idx_TK, 2, 4, torch.float32)
+    assert torch.equal(got, torch.tensor([[2.0, 1, 1, 0], [0, 1, 0, 3]]))
 
 
 def test_aux_loss_uses_topk_counts_under_token_rounding():
