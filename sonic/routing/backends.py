@@ -8,14 +8,17 @@ Routing backends:
 | torch  | sonic/routing/token_choice.py, sonic/routing/plan.py: the semantics       |
 | triton | sonic/kernels/triton/routing.py: one fused kernel for the selection, its  |
 |        | gates and loss statistics (and one for its backward), a counting sort for |
-|        | the plan; no sort, no histogram, no host sync                             |
+|        | the plan, one kernel for token rounding's selection; no sort, no          |
+|        | histogram, no host sync                                                   |
 | auto   | triton where it can run (a CUDA GPU with Triton), else torch              |
 
 A backend module exposes `select_topk(logits_TE, bias_E, k, order, renormalize) -> TopK`,
 `route_topk(...same...) -> (TopK, RoutingPlan)` (the selection and the plan of its picks, which the
-fused backend builds in one op), `prefix_centre` and `prefix_centre_backward` (routing.input_centring=prefix,
-sonic/routing/scores.py) and `unavailable_reason(device) -> str | None`, with identical results
-(ties included; the centring's sums to fp32 rounding).
+fused backend builds in one op), `token_rounding_rows(probs_TE, expert_idx_TK, gates_TK, residual_E, tile,
+mode, rows)` (token rounding's selection, sonic/routing/token_rounding.py), `prefix_centre` and
+`prefix_centre_backward` (routing.input_centring=prefix, sonic/routing/scores.py) and
+`unavailable_reason(device) -> str | None`, with identical results (ties included; the centring's sums to fp32
+rounding).
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ Selection and gates are separate on purpose: the selection adds the aux-loss-fre
 to the logits, the gates never do (DeepSeek-V3). Ties go to the lower expert index.
 
 This module is the torch routing backend (routing.backend=torch, sonic/routing/backends.py: select_topk,
-route_topk, and the router input's prefix_centre[_backward] from sonic/routing/scores.py) and defines the
+route_topk, token_rounding_rows, and the router input's prefix_centre[_backward] from sonic/routing/scores.py)
+and defines the
 semantics; sonic/kernels/triton/routing.py is the fused one. Both give a TopK with the statistics the losses
 need (the full softmax summed over tokens, and the logsumexp per token), so no loss makes a second pass over
 T x E.
@@ -50,6 +51,14 @@ def route_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormaliz
     """select_topk and the plan of its picks."""
     topk = select_topk(logits_TE, bias_E, k, order, renormalize)
     return topk, plan_from_topk(topk.expert_idx_TK, topk.gates_TK, logits_TE.shape[1])
+
+
+def token_rounding_rows(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None,
+                        tile: int, mode: str, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Token rounding's selection: sonic::token_rounding_rows (sonic/routing/token_rounding.py, which defines it)."""
+    from sonic.routing.token_rounding import rounded_rows  # noqa: PLC0415 (that module imports this one)
+
+    return rounded_rows(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows)
 
 
 def count_per_expert(expert_idx: Tensor, num_experts: int) -> Tensor:

@@ -161,9 +161,11 @@ def _segment_sum(sorted_R: Tensor, start_E: Tensor, lo_E: Tensor, hi_E: Tensor) 
 
 
 def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, tile: int, mode: str,
-                        residual_E: Tensor | None = None, group: dist.ProcessGroup | None = None) -> RoundedPlan:
+                        residual_E: Tensor | None = None, group: dist.ProcessGroup | None = None,
+                        rows_op=None) -> RoundedPlan:
     """The rounded plan from the full softmax and the TC top-K picks with their gates; with an ep
-    `group`, rounded over the group's whole batch (module docstring).
+    `group`, rounded over the group's whole batch (module docstring). `rows_op`: a routing backend's
+    token_rounding_rows (default: this module's, the torch backend's).
 
     Only the boundary of each expert's ranking moves (|c_e - f_e| < M), so no T x E sort is needed: the TC
     picks are ranked by three sorts of the T*K picks, and the EC candidates enter by a threshold on their
@@ -174,8 +176,8 @@ def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tenso
     T, E = probs_TE.shape
     gate_TE = probs_TE.scatter(1, expert_idx_TK, gates_TK)  # TC: top-K gate, EC: P_te (both differentiable)
     rows = max_rows(T, expert_idx_TK.shape[1], E, tile, mode)  # a bound on the kept count: nothing waits for it
-    pairs_R2, counts_E, rounded_E = _rounded_rows(probs_TE.detach(), expert_idx_TK, gates_TK.detach(), residual_E,
-                                                  tile, mode, rows)
+    pairs_R2, counts_E, rounded_E = (rows_op or rounded_rows)(probs_TE.detach(), expert_idx_TK, gates_TK.detach(),
+                                                              residual_E, tile, mode, rows)
     return RoundedPlan(plan_from_pairs(*pairs_R2.unbind(1), gate_TE), counts_E, rounded_E)
 
 
@@ -183,19 +185,36 @@ def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tenso
 # extra graphs cost the 40-layer step more host time than the GPU time routing takes), and inductor does not
 # see its scans (on torch 2.11 it failed to generate a T x E cumsum here, SplitScan, on the H200).
 @torch.library.custom_op("sonic::token_rounding_rows", mutates_args=())
-def _rounded_rows(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None, tile: int,
-                  mode: str, rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The kept (expert, token) pairs (rows x 2) sorted by expert, then token, padded with -1; f_e; c_e."""
+def rounded_rows(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None, tile: int,
+                 mode: str, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The kept (expert, token) pairs (rows x 2) sorted by expert, then token, padded with -1; f_e; c_e. The
+    torch routing backend's token_rounding_rows."""
     return select_rows(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows)
 
 
-@_rounded_rows.register_kernel("cuda")
+@rounded_rows.register_kernel("cuda")
 def _(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows):
-    key = (tuple(probs_TE.shape), probs_TE.dtype, tuple(expert_idx_TK.shape), gates_TK.dtype, residual_E is not None,
-           tile, mode, rows, probs_TE.device)
+    return replay_graphed(select_rows, probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows)
+
+
+def rounded_rows_fake(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows):
+    """Every backend's token_rounding_rows under fake tensors."""
+    E = probs_TE.shape[1]
+    idx = lambda *n: probs_TE.new_empty(n, dtype=torch.int64)  # noqa: E731
+    return idx(rows, 2), idx(E), idx(E)
+
+
+rounded_rows.register_fake(rounded_rows_fake)
+
+
+def replay_graphed(select, probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None,
+                   tile: int, mode: str, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """select(...) (a backend's selection, select_rows' signature) through its CUDA graph for this shape class."""
+    key = (select, tuple(probs_TE.shape), probs_TE.dtype, tuple(expert_idx_TK.shape), gates_TK.dtype,
+           residual_E is not None, tile, mode, rows, probs_TE.device)
     slot = _graph_slot(key)
     if "graph" not in slot:
-        slot["graph"] = GraphedSelection(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows)
+        slot["graph"] = GraphedSelection(select, probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows)
     return slot["graph"](probs_TE, expert_idx_TK, gates_TK, residual_E)
 
 
@@ -206,23 +225,24 @@ def _graph_slot(key: tuple) -> dict:
 
 
 class GraphedSelection:
-    """select_rows captured once as a CUDA graph for one shape class. Its dozens of small launches cost the host
-    more than the GPU time they take (the 40-layer step fell behind on the host); a replay costs one launch.
-    Everything in it is sync-free and sized by shapes alone (the rows are padded to max_rows), so it can be
-    captured; stochastic rounding's draw is captured from the default generator, which advances per replay."""
+    """A selection captured once as a CUDA graph for one shape class. The torch one's dozens of small launches
+    cost the host more than the GPU time they take (the 40-layer step fell behind on the host); a replay costs
+    one launch. Everything in it is sync-free and sized by shapes alone (the rows are padded to max_rows), so
+    it can be captured; stochastic rounding's draw is captured from the default generator, which advances per
+    replay."""
 
-    def __init__(self, probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None,
+    def __init__(self, select, probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None,
                  tile: int, mode: str, rows: int):
         self.inputs = [t.clone() for t in (probs_TE, expert_idx_TK, gates_TK, residual_E) if t is not None]
         self.args = (tile, mode, rows)
         side = torch.cuda.Stream(probs_TE.device)
         side.wait_stream(torch.cuda.current_stream(probs_TE.device))
-        with torch.cuda.stream(side):  # a warm-up first: the sorts' and top-k's workspaces exist before capture
-            select_rows(*self._args())
+        with torch.cuda.stream(side):  # a warm-up first: workspaces and compiled kernels exist before capture
+            select(*self._args())
         torch.cuda.current_stream(probs_TE.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # data loader threads keep working
-            self.outputs = select_rows(*self._args())
+            self.outputs = select(*self._args())
 
     def _args(self) -> tuple:
         probs_TE, expert_idx_TK, gates_TK, *residual = self.inputs
@@ -257,13 +277,6 @@ def select_rows(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, resid
     keep_ET.view(-1).scatter_(0, picks.expert_R * T + picks.token_R, keep_R)
     # one output: CUDA's nonzero_static may return a transposed view, whose columns would alias each other
     return torch.nonzero_static(keep_ET, size=rows, fill_value=-1).contiguous(), counts_E, rounded_E
-
-
-@_rounded_rows.register_fake
-def _(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows):
-    E = probs_TE.shape[1]
-    idx = lambda *n: probs_TE.new_empty(n, dtype=torch.int64)  # noqa: E731
-    return idx(rows, 2), idx(E), idx(E)
 
 
 def max_rows(num_tokens: int, top_k: int, num_experts: int, tile: int, mode: str) -> int:
@@ -360,7 +373,8 @@ def token_rounding_method(router, logits_TE: Tensor, backend) -> tuple[TopK, Rou
         router.balance_residual_E.copy_(router.balance_pending_E)
     probs_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32)).softmax(-1)
     rounded = token_rounding_plan(probs_TE, topk.expert_idx_TK, topk.gates_TK, cfg.tile_size, cfg.rounding_mode,
-                                  residual_E=router.balance_residual_E if balance else None, group=router.ep_group)
+                                  residual_E=router.balance_residual_E if balance else None, group=router.ep_group,
+                                  rows_op=backend.token_rounding_rows)
     if balance and not recomputing():
         router.balance_pending_E.copy_(router.balance_residual_E + rounded.topk_counts_E - rounded.rounded_E)
     return topk, rounded.plan, count_per_expert(topk.expert_idx_TK, router.num_experts)

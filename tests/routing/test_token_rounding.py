@@ -41,6 +41,8 @@ def _logits(name: str) -> tuple[torch.Tensor, int, int]:
         return logits, 2, 16
     if name == "k1_topk_softmax":  # every TC gate is 1: dropping must fall back to P_te
         return torch.randn(70, 4, generator=gen), 1, 16
+    if name == "sonic_7b":  # the trainer's routing shape (micro-batch 4 x 4096), for the GPU tests
+        return torch.randn(16384, 128, generator=gen) * 2, 8, 128
     raise KeyError(name)
 
 

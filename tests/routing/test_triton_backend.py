@@ -10,6 +10,8 @@ import torch
 from sonic.routing import token_choice
 from sonic.routing.losses import switch_aux_loss, z_loss
 from tests.helpers import run_in_triton_interpreter
+from tests.routing.test_token_rounding import MATRICES, MODES
+from tests.routing.test_token_rounding import _logits as rounding_logits
 
 ORDERS = [("topk_softmax", False), ("softmax_topk", False), ("softmax_topk", True)]
 FIELDS = ("token_idx_R", "expert_idx_R", "expert_offsets_E1", "token_offsets_T1", "rows_by_token_R")
@@ -77,11 +79,38 @@ GPU_CASES = CPU_CASES + [(4096, 128, 8, False, True), (1000, 128, 8, True, True)
 GPU_ORDER_CASES = [(700, 8, 2, True, True), (333, 512, 10, False, True)]
 
 
+def check_rounding_parity(device: str, matrices, modes=MODES) -> None:
+    """Token rounding's selection, triton against torch: the same pairs (padding included), f_e and c_e, for
+    every rounding mode (nearest_score takes the torch selection inside the triton op), on the rounding tests'
+    matrices (ties, K = 1, empty experts, T < tile, one expert preferred by all)."""
+    from sonic.kernels.triton import rounding
+    from sonic.routing import token_rounding
+
+    for name in matrices:
+        logits_TE, K, M = rounding_logits(name)
+        T, E = logits_TE.shape
+        probs_TE = logits_TE.softmax(-1).to(device)
+        topk = token_choice.select_topk(logits_TE.to(device), torch.zeros(E, device=device), K, "topk_softmax", False)
+        for mode in modes:
+            residual_E = (torch.randint(-M // 2, M // 2 + 1, (E,), generator=torch.Generator().manual_seed(T))
+                          .to(device) if mode == "balance" else None)
+            args = (probs_TE, topk.expert_idx_TK, topk.gates_TK, residual_E, M, mode,
+                    token_rounding.max_rows(T, K, E, M, mode))
+            torch.manual_seed(7)  # stochastic: the same draw on both sides
+            want = token_rounding.select_rows(*args)
+            for fn in (rounding.select_rows, rounding.token_rounding_rows):
+                torch.manual_seed(7)
+                got = fn(*args)
+                for field, a, b in zip(("pairs", "f_e", "c_e"), got, want):
+                    assert torch.equal(a, b), f"{field}: {name} {mode} {fn.__name__}"
+
+
 def _interpreter_main() -> None:
     from tests.helpers import patch_triton_interpreter
 
     patch_triton_interpreter()
     check_parity("cpu", CPU_CASES)
+    check_rounding_parity("cpu", MATRICES)
     print("routing interpreter ok")
 
 
@@ -95,6 +124,7 @@ def test_triton_routing_matches_torch_in_the_interpreter():
 def test_triton_routing_matches_torch_on_gpu(triton_device, poison):
     check_parity("cuda", GPU_CASES, dtypes=(torch.bfloat16,), orders=ORDERS[:1])
     check_parity("cuda", GPU_ORDER_CASES, dtypes=(torch.float32, torch.bfloat16))
+    check_rounding_parity("cuda", MATRICES + ("sonic_7b",))
 
 
 def test_auto_picks_torch_on_cpu_and_unknown_backends_fail():

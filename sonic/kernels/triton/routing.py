@@ -17,7 +17,8 @@ rank its pairs within an expert. Rows come out sorted by expert then token, exac
 build_plan's argsort would, with a cost independent of E.
 
 prefix_centre[_backward] (routing.input_centring=prefix): the router input's scan, in
-sonic/kernels/triton/centring.py.
+sonic/kernels/triton/centring.py. token_rounding_rows (routing.method=token_rounding): the selection in one
+kernel, in sonic/kernels/triton/rounding.py.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sonic.kernels.triton.centring import prefix_centre, prefix_centre_backward  # noqa: F401 (this backend's centring)
+from sonic.kernels.triton.rounding import token_rounding_rows  # noqa: F401 (this backend's token-rounding selection)
 from sonic.routing.plan import RoutingPlan, TopK
 
 ORDERS = {"topk_softmax": 0, "softmax_topk": 1}
