@@ -43,6 +43,8 @@ def _logits(name: str) -> tuple[torch.Tensor, int, int]:
         return torch.randn(70, 4, generator=gen), 1, 16
     if name == "sonic_7b":  # the trainer's routing shape (micro-batch 4 x 4096), for the GPU tests
         return torch.randn(16384, 128, generator=gen) * 2, 8, 128
+    if name == "over_16k_tokens":  # the triton selection reads rows in blocks past 16384 tokens (GPU tests)
+        return torch.randn(20000, 64, generator=gen) * 2, 8, 128
     raise KeyError(name)
 
 
