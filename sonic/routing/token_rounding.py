@@ -194,12 +194,7 @@ def rounded_rows(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, resi
 
 @rounded_rows.register_kernel("cuda")
 def _(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows):
-    key = (tuple(probs_TE.shape), probs_TE.dtype, tuple(expert_idx_TK.shape), gates_TK.dtype, residual_E is not None,
-           tile, mode, rows, probs_TE.device)
-    slot = _graph_slot(key)
-    if "graph" not in slot:
-        slot["graph"] = GraphedSelection(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows)
-    return slot["graph"](probs_TE, expert_idx_TK, gates_TK, residual_E)
+    return replay_graphed(select_rows, probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows)
 
 
 def rounded_rows_fake(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows):
@@ -212,6 +207,17 @@ def rounded_rows_fake(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode,
 rounded_rows.register_fake(rounded_rows_fake)
 
 
+def replay_graphed(select, probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None,
+                   tile: int, mode: str, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """select(...) (a backend's selection, select_rows' signature) through its CUDA graph for this shape class."""
+    key = (select, tuple(probs_TE.shape), probs_TE.dtype, tuple(expert_idx_TK.shape), gates_TK.dtype,
+           residual_E is not None, tile, mode, rows, probs_TE.device)
+    slot = _graph_slot(key)
+    if "graph" not in slot:
+        slot["graph"] = GraphedSelection(select, probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows)
+    return slot["graph"](probs_TE, expert_idx_TK, gates_TK, residual_E)
+
+
 @functools.lru_cache(maxsize=8)
 def _graph_slot(key: tuple) -> dict:
     """The captured selection of one shape class (bounded: a few shapes per process)."""
@@ -219,23 +225,23 @@ def _graph_slot(key: tuple) -> dict:
 
 
 class GraphedSelection:
-    """select_rows captured once as a CUDA graph for one shape class. Its dozens of small launches cost the host
-    more than the GPU time they take (the 40-layer step fell behind on the host); a replay costs one launch.
+    """A selection captured once as a CUDA graph for one shape class. Its launches (dozens in the torch one, a
+    dozen in the triton one) cost the host more than the GPU time they take; a replay costs one launch.
     Everything in it is sync-free and sized by shapes alone (the rows are padded to max_rows), so it can be
     captured; stochastic rounding's draw is captured from the default generator, which advances per replay."""
 
-    def __init__(self, probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None,
+    def __init__(self, select, probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None,
                  tile: int, mode: str, rows: int):
         self.inputs = [t.clone() for t in (probs_TE, expert_idx_TK, gates_TK, residual_E) if t is not None]
         self.args = (tile, mode, rows)
         side = torch.cuda.Stream(probs_TE.device)
         side.wait_stream(torch.cuda.current_stream(probs_TE.device))
-        with torch.cuda.stream(side):  # a warm-up first: the sorts' and top-k's workspaces exist before capture
-            select_rows(*self._args())
+        with torch.cuda.stream(side):  # a warm-up first: workspaces and compiled kernels exist before capture
+            select(*self._args())
         torch.cuda.current_stream(probs_TE.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # data loader threads keep working
-            self.outputs = select_rows(*self._args())
+            self.outputs = select(*self._args())
 
     def _args(self) -> tuple:
         probs_TE, expert_idx_TK, gates_TK, *residual = self.inputs

@@ -181,13 +181,17 @@ def select_rows(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, resid
     return pairs_R2, counts_E, rounded_E
 
 
-# Eager, not a CUDA graph as the torch selection is: a dozen launches per call, and a graph would keep copies of
-# the inputs (8 MB of scores at the trainer's shape) in its own memory pool.
 @torch.library.custom_op("sonic::token_rounding_rows_triton", mutates_args=())
 def token_rounding_rows(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None,
                         tile: int, mode: str, rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The torch backend's sonic::token_rounding_rows with select_rows above."""
+    """The torch backend's sonic::token_rounding_rows with select_rows above (on CUDA, as that one, a CUDA graph
+    replay: on the H200 the eager call kept the host 0.43 ms per call, the replay 0.24 ms)."""
     return select_rows(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows)
+
+
+@token_rounding_rows.register_kernel("cuda")
+def _(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows):
+    return token_rounding.replay_graphed(select_rows, probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows)
 
 
 token_rounding_rows.register_fake(token_rounding.rounded_rows_fake)
