@@ -291,6 +291,10 @@ E2E_1X_TR_PADDED, E2E_1X_TR_OP = "2026-11-24-1xh200-e2e-40L-tr-padded.json", "20
 E2E_1X_TR_OP_TRITON = "2026-11-24-1xh200-e2e-40L-tr-op-triton.json"
 E2E_1X_TR_GRAPH, E2E_1X_TR_GRAPH_TRITON = ("2026-11-24-1xh200-e2e-40L-tr-graph.json",
                                           "2026-11-24-1xh200-e2e-40L-tr-graph-triton.json")
+E2E_1X_TR_EAGER, E2E_1X_TR_EAGER_TRITON = ("2026-11-24-1xh200-e2e-40L-tr-fused-eager.json",
+                                          "2026-11-24-1xh200-e2e-40L-tr-fused-eager-triton.json")
+E2E_1X_TR_FUSED, E2E_1X_TR_FUSED_TRITON = ("2026-11-24-1xh200-e2e-40L-tr-fused.json",
+                                          "2026-11-24-1xh200-e2e-40L-tr-fused-triton.json")
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
     Text("steps (averaged)", "steps_averaged"),
@@ -340,7 +344,17 @@ TABLES = (
                   E2E_1X_TR_GRAPH, "cute_40L"),
               e2e("the same job, `routing=token_rounding`", E2E_1X_TR_GRAPH, "cute_token_rounding_40L"),
               e2e("the same two on triton: top-K", E2E_1X_TR_GRAPH_TRITON, "triton_40L"),
-              e2e("triton, `routing=token_rounding`", E2E_1X_TR_GRAPH_TRITON, "triton_token_rounding_40L"))),
+              e2e("triton, `routing=token_rounding`", E2E_1X_TR_GRAPH_TRITON, "triton_token_rounding_40L"),
+              e2e("recipe, one GPU, cute, top-K (token rounding's selection in Triton kernels, eager)",
+                  E2E_1X_TR_EAGER, "cute_40L"),
+              e2e("the same job, `routing=token_rounding`", E2E_1X_TR_EAGER, "cute_token_rounding_40L"),
+              e2e("the same two on triton: top-K", E2E_1X_TR_EAGER_TRITON, "triton_40L"),
+              e2e("triton, `routing=token_rounding`", E2E_1X_TR_EAGER_TRITON, "triton_token_rounding_40L"),
+              e2e("recipe, one GPU, cute, top-K (the Triton selection replayed as a CUDA graph)",
+                  E2E_1X_TR_FUSED, "cute_40L"),
+              e2e("the same job, `routing=token_rounding`", E2E_1X_TR_FUSED, "cute_token_rounding_40L"),
+              e2e("the same two on triton: top-K", E2E_1X_TR_FUSED_TRITON, "triton_40L"),
+              e2e("triton, `routing=token_rounding`", E2E_1X_TR_FUSED_TRITON, "triton_token_rounding_40L"))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),
