@@ -28,3 +28,17 @@ def test_train_step_without_a_gpu_says_how_to_smoke_test():
         pytest.skip("has a GPU")
     with pytest.raises(SystemExit, match="--device cpu"):
         train_step.main([])
+
+
+def test_train_step_times_only_the_optimizers_asked_for(tmp_path):
+    """Each AdamW implementation keeps its own state; `--optimizers fused` times one (the 40-layer sonic_7b holds
+    only one on an H200), and an unknown name is refused."""
+    out = tmp_path / "ts.json"
+    args = ["--device", "cpu", "--model", "tiny", "--layers", "1", "--backend", "reference", "--batch", "2x16",
+            "--steps", "1", "--warmup", "0", "--json", str(out)]
+    train_step.main([*args, "--optimizers", "fused"])
+    r = json.loads(out.read_text())
+    assert list(r["steps"]) == ["fused"]
+    assert "AdamW step, fused" in r["phases_ms"] and "AdamW step, foreach" not in r["phases_ms"]
+    with pytest.raises(SystemExit, match="subset of foreach,fused"):
+        train_step.main([*args, "--optimizers", "fused,adafactor"])
