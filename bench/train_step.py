@@ -4,10 +4,12 @@
 
 The step is the trainer's (bf16 autocast, fp32 master weights, the model's LM head + loss backend,
 grad clipping, AdamW), on random tokens, one GPU. Phases are timed with CUDA events
-(median of --steps after --warmup); the optimizer runs both as torch's foreach (torch's default) and
-fused implementation (Sonic's default, optim.implementation) on the same gradients (`--optimizers fused` for
-one: the 40-layer sonic_7b holds only one optimizer state on an H200). Then one step under torch.profiler lists
-the CUDA kernels that take the most time. Writes --json (default bench/results/<date>-<gpu>-train_step.json).
+(median of --steps after --warmup). The clip and the optimizer step are timed as the trainer runs them, for
+each AdamW implementation of optim.implementation asked for (--optimizers, on the same gradients): foreach
+clips the gradients in place first; fused and triton take the clip as a divisor in their step. Each keeps its
+own state (`--optimizers fused` for one: the 40-layer sonic_7b holds only one on an H200). Then one step under
+torch.profiler lists the CUDA kernels that take the most time. Writes --json (default
+bench/results/<date>-<gpu>-train_step.json).
 `--device cpu` smoke-tests the script (fp32, wall-clock timings, CPU operators: meaningless numbers).
 """
 from __future__ import annotations
@@ -22,6 +24,9 @@ from sonic.models import flops_per_token
 from sonic.models.presets import load_preset
 from sonic.models.moe import MoE
 from sonic.models.transformer import Transformer
+from sonic.train.optim import TritonAdamW, clip_grad_norm, optimizer_step, takes_grad_scale
+
+OPTIMIZERS = ("foreach", "fused", "triton")
 
 
 def main(argv=None):
@@ -36,8 +41,8 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=25, help="kernels listed from the profile")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block, as parallel.compile")
     ap.add_argument("--optimizers", default="foreach,fused",
-                    help="AdamW implementations timed, comma-separated (each keeps its own state: one fits the "
-                         "40-layer sonic_7b on an H200, two do not)")
+                    help=f"AdamW implementations timed, comma-separated, of {','.join(OPTIMIZERS)} (each keeps its "
+                         "own state: one fits the 40-layer sonic_7b on an H200, two do not; triton needs CUDA)")
     ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script (timings meaningless)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -46,8 +51,10 @@ def main(argv=None):
         raise SystemExit("bench.train_step needs a CUDA GPU (or --device cpu for a smoke test)")
     B, S = (int(v) for v in args.batch.split("x"))
     impls = args.optimizers.split(",")
-    if not impls or any(i not in ("foreach", "fused") for i in impls):
-        raise SystemExit(f"--optimizers {args.optimizers!r}: a comma-separated subset of foreach,fused")
+    if not impls or any(i not in OPTIMIZERS for i in impls):
+        raise SystemExit(f"--optimizers {args.optimizers!r}: a comma-separated subset of {','.join(OPTIMIZERS)}")
+    if "triton" in impls and not cuda:
+        raise SystemExit("--optimizers triton needs a CUDA GPU")
     moe_overrides = {"kernel_backend": args.backend}
     if args.routing:
         moe_overrides["routing"] = {"method": args.routing}
@@ -72,21 +79,26 @@ def main(argv=None):
         model.zero_grad(set_to_none=True)
         forward().backward()
 
-    optimizers = {impl: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **{impl: True}) for impl in impls}
+    optimizers = {impl: (TritonAdamW(params, lr=1e-4, weight_decay=0.1) if impl == "triton" else
+                         torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **{impl: True})) for impl in impls}
     fwd_bwd()
     for opt in optimizers.values():
         opt.step()  # creates the state, so the timed steps are steady-state ones
 
+    def clip_and_step(opt):
+        """The trainer's: clip to 1.0 (in place, or as the step's divisor), then the AdamW step."""
+        _, grad_scale = clip_grad_norm(params, 1.0, scale_in_step=takes_grad_scale(opt))
+        optimizer_step(opt, grad_scale)
+
     phases = {"forward (model + loss)": forward, "forward + backward": fwd_bwd,
-              "clip_grad_norm": lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)}
-    phases.update({f"AdamW step, {impl}": opt.step for impl, opt in optimizers.items()})
+              "clip_grad_norm (in place)": lambda: clip_grad_norm(params, 1.0)}
+    phases.update({f"clip + AdamW step, {impl}": (lambda opt=opt: clip_and_step(opt)) for impl, opt in optimizers.items()})
     ms = {}
     for name, fn in phases.items():
         with torch.no_grad() if name.startswith("forward (") else torch.enable_grad():
             ms[name] = median_ms(fn, args.steps, args.warmup, cuda)
     tokens_per_step = B * S
-    step_ms = {impl: ms["forward + backward"] + ms["clip_grad_norm"] + ms[f"AdamW step, {impl}"]
-               for impl in optimizers}
+    step_ms = {impl: ms["forward + backward"] + ms[f"clip + AdamW step, {impl}"] for impl in optimizers}
     fpt = flops_per_token(cfg, S)
     print(f"{args.model} cut to {args.layers} layers, backend {args.backend}, routing {cfg.moe.routing.method}, "
           f"{B}x{S} tokens, "
@@ -104,7 +116,7 @@ def main(argv=None):
 
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         fwd_bwd()
-        optimizers[impls[0]].step()
+        clip_and_step(optimizers[impls[0]])
         if cuda:
             torch.cuda.synchronize()
     spent = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)

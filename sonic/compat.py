@@ -15,6 +15,7 @@ torch installed (`require`).
 | recompute detection (routing)  | torch._C._current_graph_task_id                      | all    |
 | pytrees of our dataclasses     | torch.utils._pytree.register_dataclass               | all    |
 | checkpoint finiteness check    | torch._foreach_norm                                  | all    |
+| optim.implementation=triton    | torch._foreach_add_ (the step counts)                | all    |
 | grouped_mm baseline backend    | torch._grouped_mm                                    | 2.8    |
 """
 from __future__ import annotations
@@ -129,6 +130,11 @@ def register_pytree_dataclass(cls: type) -> type:
 def foreach_max_abs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's max |x| in one multi-tensor launch."""
     return torch._foreach_norm(tensors, float("inf"))
+
+
+def foreach_add_(tensors: list[torch.Tensor], other: torch.Tensor) -> None:
+    """Add the 0-d tensor `other` to every tensor in place, in one multi-tensor launch (no host sync)."""
+    torch._foreach_add_(tensors, other)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

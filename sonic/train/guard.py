@@ -9,9 +9,10 @@ finite, and only later steps go NaN).
 Everything is tested on the device, from values that are the same on every rank (the norms are
 all-reduced), so all ranks decide alike:
 
-- optim.implementation=fused: the flag goes to torch's fused AdamW as `found_inf`, the
-  mechanism GradScaler uses. The kernel leaves parameters, exp_avg, exp_avg_sq and AdamW's
-  own step count (its bias correction) untouched when it is set. No host sync.
+- optim.implementation=fused or triton: the flag goes to torch's fused AdamW (or Sonic's
+  TritonAdamW) as `found_inf`, the mechanism GradScaler uses. The kernel leaves parameters,
+  exp_avg, exp_avg_sq and AdamW's own step count (its bias correction) untouched when it is
+  set. No host sync.
 - foreach / for_loop: torch's code paths take no `found_inf` (they assert it is None), so the
   flag is read on the host and optimizer.step() is not called, as GradScaler does for such
   optimizers: one sync per step, on these non-default paths only.
@@ -36,7 +37,7 @@ from typing import Callable
 import torch
 
 from sonic.parallel import all_reduce_
-from sonic.train.optim import global_norm
+from sonic.train.optim import global_norm, optimizer_step, takes_grad_scale
 
 log = logging.getLogger("sonic")
 
@@ -62,7 +63,7 @@ class NonFiniteGuard:
         self.max_update_ratio = max_update_ratio
         self.verbose = verbose  # log the warning (rank 0 only)
         self.recovery = recovery or (lambda: f"To recover: {_FIX}")  # the end of the error message
-        self.fused = all(group.get("fused") for group in optimizer.param_groups)
+        self.fused = takes_grad_scale(optimizer)  # takes found_inf (and the clip as grad_scale) on the device
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.sqrt_n = math.sqrt(sum(p.numel() for p in self.params))  # global sizes, also of DTensors
         # skipped steps in total, the current run of consecutive skips, the step at which that run
@@ -73,9 +74,11 @@ class NonFiniteGuard:
         self._reported = 0  # skips already warned about
         self._weight_norm: torch.Tensor | None = None  # ‖w‖ for the update bound, refreshed every WEIGHT_NORM_EVERY steps
 
-    def step(self, grad_norm: torch.Tensor, step: int, loss: torch.Tensor | None = None) -> None:
+    def step(self, grad_norm: torch.Tensor, step: int, loss: torch.Tensor | None = None,
+             grad_scale: torch.Tensor | None = None) -> None:
         """optimizer.step() unless the step is bad; `step` numbers this step (1-based). Call it
-        after setting the step's LR: the update bound uses it."""
+        after setting the step's LR: the update bound uses it. `grad_scale`: the clip, for an
+        optimizer that applies it in its step (`clip_grad_norm(..., scale_in_step=True)`)."""
         bad = ~torch.isfinite(grad_norm)
         if loss is not None:  # this rank's loss: all ranks must skip alike (an inf loss can have finite grads)
             bad = bad | all_reduce_((~torch.isfinite(loss.detach())).float().reshape(1), "max").bool().reshape(())
@@ -100,13 +103,9 @@ class NonFiniteGuard:
                         f"the weights are those after step {step - 1} and nothing was saved after it. "
                         f"{self.recovery()}; or set train.nonfinite=skip to skip such steps")
             else:
-                self.optimizer.step()
+                optimizer_step(self.optimizer, grad_scale)
         else:
-            self.optimizer.found_inf = found_inf  # read by the fused kernel, as GradScaler passes it
-            try:
-                self.optimizer.step()
-            finally:
-                del self.optimizer.found_inf
+            optimizer_step(self.optimizer, grad_scale, found_inf)
         self._count(found_inf.to(torch.int64), (exploding & ~bad).to(torch.int64), step)
 
     def _count(self, found: torch.Tensor, exploding: torch.Tensor, step: int) -> None:

@@ -6,9 +6,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from sonic import compat
 
 SCHEDULES = ("cosine", "wsd", "constant")
-IMPLEMENTATIONS = ("fused", "foreach", "for_loop")
+IMPLEMENTATIONS = ("fused", "foreach", "for_loop", "triton")
 
 
 @dataclass
@@ -26,7 +29,8 @@ class OptimConfig:
     decay_norms_and_embeddings: bool = False  # True applies weight decay to norms, biases, embeddings too
     # fused: one kernel per step for all parameters (sonic_7b cut to 4 layers on an H100: AdamW step
     # 9.1 ms vs 25.1 ms foreach, +11% tokens/s; bench/results/2026-11-22-h100-train_step-4L.json)
-    implementation: str = "fused"  # fused | foreach | for_loop (torch.optim.AdamW's three code paths)
+    # triton: Sonic's one-pass kernel (TritonAdamW), the clip applied as it reads each gradient; CUDA only
+    implementation: str = "fused"  # fused | foreach | for_loop (torch.optim.AdamW's three code paths) | triton
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -45,6 +49,78 @@ class OptimConfig:
             raise ValueError(f"optim.decay_fraction={self.decay_fraction} must be in [0, 1]")
 
 
+class TritonAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW whose step is Sonic's Triton kernel (sonic/kernels/triton/adamw.py): one pass per
+    parameter that also applies the gradient clip as a divisor (`grad_scale`) and skips on `found_inf`, the
+    attributes torch's fused AdamW reads (GradScaler's protocol; `optimizer_step` sets them). Its state is
+    torch's (step, exp_avg, exp_avg_sq), so checkpoints move between it and torch's implementations."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, foreach=None, fused=None, **kwargs)
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]:
+                raise ValueError("optim.implementation=triton is plain AdamW: no amsgrad, maximize, capturable "
+                                 "or differentiable; use optim.implementation=fused for those")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from sonic.kernels.triton.adamw import adamw_  # noqa: PLC0415 (Triton: CUDA machines only)
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            todo = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif state["step"].device != p.device:  # a checkpoint of a non-fused implementation keeps it on the CPU
+                    state["step"] = state["step"].to(p.device, torch.float32)
+                todo.append((p, state))
+            if not todo:
+                continue
+            steps = [state["step"] for _, state in todo]
+            compat.foreach_add_(steps, torch.ones((), device=steps[0].device) if found_inf is None else 1 - found_inf)
+            beta1, beta2 = group["betas"]
+            for p, state in todo:
+                adamw_(*(_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])), state["step"],
+                       lr=group["lr"], weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                       grad_scale=grad_scale, found_inf=found_inf)
+        return loss
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP-2), else `t`: AdamW is elementwise, so each rank steps its own."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer`'s step takes `grad_scale` and `found_inf` on the device (torch's fused AdamW, Sonic's
+    TritonAdamW): the clip and the skip of a bad step then cost no pass and no host sync."""
+    return isinstance(optimizer, TritonAdamW) or all(group.get("fused") for group in optimizer.param_groups)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None = None,
+                   found_inf: torch.Tensor | None = None) -> None:
+    """optimizer.step() with the gradient divisor and the skip flag that a `takes_grad_scale` optimizer reads."""
+    assert takes_grad_scale(optimizer) or (grad_scale is None and found_inf is None)
+    for name, value in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if value is not None:
+            setattr(optimizer, name, value)
+    try:
+        optimizer.step()
+    finally:
+        for name in ("grad_scale", "found_inf"):
+            optimizer.__dict__.pop(name, None)
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -52,15 +128,22 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
             continue
         is_vector_or_embedding = p.dim() < 2 or "embed_tokens" in name or name.endswith(("b1_EF", "b2_ED"))
         (no_decay if is_vector_or_embedding and not cfg.decay_norms_and_embeddings else decay).append(p)
-    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay}], lr=cfg.lr,
-                                  **_IMPLEMENTATION_FLAGS[cfg.implementation])
+    groups = [{"params": decay}, {"params": no_decay}]
+    if cfg.implementation == "triton":
+        devices = sorted({p.device.type for p in decay + no_decay} - {"cuda"})
+        if devices:
+            raise ValueError(f"optim.implementation=triton runs on CUDA GPUs; the parameters are on {', '.join(devices)}. "
+                             "Use optim.implementation=fused (torch's, also on the CPU)")
+        optimizer = TritonAdamW(groups, lr=cfg.lr)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, **_IMPLEMENTATION_FLAGS[cfg.implementation])
     apply_config(optimizer, cfg)
     return optimizer
 
 
 # torch.optim.AdamW's flags for each optim.implementation (None: torch's default, False here)
 _IMPLEMENTATION_FLAGS = {"fused": {"fused": True, "foreach": None}, "foreach": {"foreach": True, "fused": None},
-                         "for_loop": {"foreach": False, "fused": None}}
+                         "for_loop": {"foreach": False, "fused": None}, "triton": {"foreach": None, "fused": None}}
 
 
 def apply_config(optimizer: torch.optim.AdamW, cfg: OptimConfig) -> None:
@@ -100,14 +183,20 @@ def global_norm(tensors) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
-def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
-    """Scale the gradients to a global L2 norm of at most max_norm (inf: only measure it) and
-    return that norm as a plain tensor, over every shard."""
+def clip_grad_norm(params, max_norm: float, scale_in_step: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Clip the gradients to a global L2 norm of at most max_norm (inf: only measure it). Returns that norm
+    over every shard, as a plain tensor (no host sync), and the clip as a divisor of the gradients, or None
+    where the gradients were scaled here. scale_in_step=True leaves them as they are, for an optimizer that
+    divides each gradient as it reads it (`takes_grad_scale`): one read and write of every gradient fewer."""
     params = [p for p in params if p.grad is not None]
     total = global_norm([p.grad for p in params])
+    if math.isinf(max_norm):
+        return total, None
+    if scale_in_step:  # torch's clip_grads_with_norm_'s factor, inverted
+        return total, ((total.float() + 1e-6) / max_norm).clamp_min(1.0)
     for group in _by_mesh(params):
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-    return total
+    return total, None
 
 
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:

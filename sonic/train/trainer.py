@@ -243,9 +243,11 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
                 else:
                     aux = z = seq_aux = torch.zeros((), device=device)
                 loss_sum += torch.stack([loss.detach(), aux, z, seq_aux])
-            grad_norm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip or float("inf"))  # over all shards
+            # over all shards; fused and triton AdamW apply the clip as they read the gradients
+            grad_norm, grad_scale = clip_grad_norm(model.parameters(), cfg.optim.grad_clip or float("inf"),
+                                                   scale_in_step=guard.fused)
             # optimizer.step(), unless the loss or norm is non-finite or the update too large (train.nonfinite)
-            guard.step(grad_norm, step + 1, loss=loss_sum[0])
+            guard.step(grad_norm, step + 1, loss=loss_sum[0], grad_scale=grad_scale)
             optimizer.zero_grad(set_to_none=True)
             step += 1
             bar.update(1)

@@ -76,7 +76,7 @@ def _sharded_grads(rank: int, world: int, dp_replicate: int, ep: int, cfg: Model
     (out.loss + out.router_loss).backward()
     loss = out.loss.detach().clone()
     dist.all_reduce(loss)
-    norm = clip_grad_norm(model.parameters(), float("inf"))
+    norm, _ = clip_grad_norm(model.parameters(), float("inf"))
     grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor() if isinstance(p.grad, DTensor)
              else p.grad for n, p in model.named_parameters()}
     return {"loss": loss.item() / world, "grads": grads, "norm": norm.item(),

@@ -12,11 +12,11 @@ def test_train_step_times_every_phase_and_both_optimizers(tmp_path):
                      "--batch", "2x32", "--steps", "1", "--warmup", "0", "--json", str(out)])
     r = json.loads(out.read_text())
     ms = r["phases_ms"]
-    assert set(ms) == {"forward (model + loss)", "forward + backward", "clip_grad_norm", "AdamW step, foreach",
-                       "AdamW step, fused"} and all(v > 0 for v in ms.values())
+    assert set(ms) == {"forward (model + loss)", "forward + backward", "clip_grad_norm (in place)",
+                       "clip + AdamW step, foreach", "clip + AdamW step, fused"} and all(v > 0 for v in ms.values())
     for impl in ("foreach", "fused"):
         step = r["steps"][impl]
-        assert step["step_ms"] == pytest.approx(ms["forward + backward"] + ms["clip_grad_norm"] + ms[f"AdamW step, {impl}"])
+        assert step["step_ms"] == pytest.approx(ms["forward + backward"] + ms[f"clip + AdamW step, {impl}"])
         assert step["tokens_per_s"] == pytest.approx(64 / step["step_ms"] * 1e3)
     assert r["kernels"] and r["batch"] == [2, 32]
 
@@ -39,6 +39,8 @@ def test_train_step_times_only_the_optimizers_asked_for(tmp_path):
     train_step.main([*args, "--optimizers", "fused"])
     r = json.loads(out.read_text())
     assert list(r["steps"]) == ["fused"]
-    assert "AdamW step, fused" in r["phases_ms"] and "AdamW step, foreach" not in r["phases_ms"]
-    with pytest.raises(SystemExit, match="subset of foreach,fused"):
+    assert "clip + AdamW step, fused" in r["phases_ms"] and "clip + AdamW step, foreach" not in r["phases_ms"]
+    with pytest.raises(SystemExit, match="subset of foreach,fused,triton"):
         train_step.main([*args, "--optimizers", "fused,adafactor"])
+    with pytest.raises(SystemExit, match="triton needs a CUDA GPU"):
+        train_step.main([*args, "--optimizers", "triton"])

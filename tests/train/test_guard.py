@@ -92,19 +92,24 @@ def test_fused_skip_reads_nothing_back_from_the_device(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_fused_guard_does_not_synchronize_on_cuda():
+@pytest.mark.parametrize("impl", ("fused", "triton"))
+def test_fused_guard_does_not_synchronize_on_cuda(impl):
     model = tiny().cuda()
-    optimizer = build_optimizer(model, OptimConfig(implementation="fused"))
+    optimizer = build_optimizer(model, OptimConfig(implementation=impl))
     guard = NonFiniteGuard(optimizer, "skip", 3, torch.device("cuda"), max_update_ratio=1.0)
+    before = snapshot(model, optimizer)
     norm = backward(model, seed=2, poison=True)
     loss = torch.tensor(2.0, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        guard.step(norm, step=1, loss=loss)
+        guard.step(norm, step=1, loss=loss, grad_scale=(norm + 1e-6).clamp_min(1.0))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert guard.check() == 1
+    after = snapshot(model, optimizer)
+    for name in before[0]:
+        assert torch.equal(before[0][name], after[0][name]), name
 
 
 @pytest.mark.parametrize("impl", ("fused", "foreach"))

@@ -1,0 +1,74 @@
+"""AdamW's update of one parameter tensor in one pass (optim.implementation=triton, `sonic.train.optim.TritonAdamW`).
+
+Per element it reads the parameter, its gradient and the two moments once, and writes the parameter and the
+moments once: 28 bytes per fp32 parameter, against torch's fused AdamW's 28 bytes plus, when the gradients are
+clipped, a read and a write of every gradient (torch's clip scales them in place before the step, and its fused
+kernel, given the clip as `grad_scale`, writes the scaled gradient back). Here the clip is a divisor the kernel
+applies as it reads the gradient, and nothing is written back to the gradient.
+
+The arithmetic is torch's AdamW (torch/optim/adamw.py, fused and foreach agree to rounding):
+  p <- p - lr * wd * p;  m <- m + (1 - b1) (g - m);  v <- b2 v + (1 - b2) g^2
+  p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+with t the step count after this step, read from the device (skipped steps do not advance it), and the bias
+corrections in fp32 (torch's fused kernel takes them in fp64: the updates agree to ~1e-7 relative).
+`found_inf` != 0 leaves everything untouched, as in torch's fused kernel.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK = 2048  # elements per program: a streaming kernel, 8 warps, four 16-byte loads per stream per thread
+WARPS = 8
+
+
+@triton.jit
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, skip_ptr, n,
+                  lr, weight_decay, beta1, beta2, log2_beta1, log2_beta2, eps,
+                  HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
+    if HAS_SKIP:
+        if tl.load(skip_ptr) != 0:
+            return
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    t = tl.load(step_ptr).to(tl.float32)
+    bias1 = 1.0 - tl.exp2(t * log2_beta1)
+    bias2_sqrt = tl.sqrt(1.0 - tl.exp2(t * log2_beta2))
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        g = g / tl.load(scale_ptr).to(tl.float32)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p = p - lr * weight_decay * p
+    m = m + (1.0 - beta1) * (g - m)
+    v = beta2 * v + (1.0 - beta2) * g * g
+    p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
+    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+
+
+def _log2(beta: float) -> float:
+    return math.log2(beta) if beta > 0 else float("-inf")  # beta = 0: no bias correction (exp2(-inf) = 0)
+
+
+def adamw_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, *, lr: float,
+           weight_decay: float, beta1: float, beta2: float, eps: float, grad_scale: Tensor | None = None,
+           found_inf: Tensor | None = None) -> None:
+    """One AdamW step of `param` in place (and of its moments). `step`: this parameter's step count after
+    this step, a 0-d tensor on its device; `grad_scale`: a 0-d divisor of the gradient (the clip);
+    `found_inf`: a 0-d flag, nonzero to leave everything as it is."""
+    assert param.is_contiguous() and grad.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous()
+    assert param.shape == grad.shape == exp_avg.shape == exp_avg_sq.shape and step.numel() == 1
+    n = param.numel()
+    if n == 0:
+        return
+    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
+        param, grad, exp_avg, exp_avg_sq, step, grad_scale if grad_scale is not None else step,
+        found_inf if found_inf is not None else step, n, lr, weight_decay, beta1, beta2, _log2(beta1), _log2(beta2),
+        eps, HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, BLOCK=BLOCK, num_warps=WARPS)

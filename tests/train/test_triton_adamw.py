@@ -1,0 +1,132 @@
+"""optim.implementation=triton (TritonAdamW, sonic/kernels/triton/adamw.py) takes torch's AdamW step: with the clip
+as its divisor, across param groups and tensor sizes that do and do not fill the kernel's blocks, over a skipped
+step, and across a checkpoint moved between it and torch's implementations. On the CPU through Triton's
+interpreter, and on the GPU; and torch's fused AdamW takes the clip as a divisor with the same result."""
+import copy
+
+import pytest
+import torch
+
+from sonic.models import ModelConfig, MoEConfig, Transformer
+from sonic.train.optim import (OptimConfig, TritonAdamW, build_optimizer, clip_grad_norm, optimizer_step,
+                               takes_grad_scale)
+from tests.helpers import run_in_triton_interpreter
+
+SHAPES = ((3000,), (64, 70), (5,), (2048,))  # 3000: a partial second block; 2048: exactly one (BLOCK)
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
+
+
+def _params(device: str) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in SHAPES]
+
+
+def _groups(params):
+    return [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}]
+
+
+def _set_grads(params, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.device)
+
+
+def check(device: str) -> None:
+    ref_params, our_params = _params(device), _params(device)
+    ref = torch.optim.AdamW(_groups(ref_params), foreach=False, **HYPER)
+    ours = TritonAdamW(_groups(our_params), **HYPER)
+    assert takes_grad_scale(ours)
+    # (max_norm, skipped): a clipping step, a step under the norm, a skipped step, a clipping one after it
+    for seed, (max_norm, skipped) in enumerate(((1.0, False), (1e3, False), (1.0, True), (0.5, False))):
+        for params in (ref_params, our_params):
+            _set_grads(params, seed)
+        grads = [p.grad.clone() for p in our_params]
+        norm, grad_scale = clip_grad_norm(our_params, max_norm, scale_in_step=True)
+        assert (grad_scale is not None) and (grad_scale > 1).item() == (max_norm < 100)
+        before = copy.deepcopy((our_params, ours.state_dict()))
+        optimizer_step(ours, grad_scale, found_inf=torch.tensor(float(skipped), device=device))
+        for p, g in zip(our_params, grads):
+            assert torch.equal(p.grad, g)  # the divisor is applied as the kernel reads: the gradient is not written
+        if skipped:
+            for p, q in zip(our_params, before[0]):
+                assert torch.equal(p, q)
+            for idx, state in ours.state_dict()["state"].items():
+                for key, value in state.items():
+                    assert torch.equal(value, before[1]["state"][idx][key]), (idx, key)
+            continue
+        ref_norm, _ = clip_grad_norm(ref_params, max_norm)
+        torch.testing.assert_close(norm, ref_norm)
+        ref.step()
+        for p, q in zip(our_params, ref_params):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(ours.state[p][key], ref.state[q][key], rtol=1e-5, atol=1e-7)
+            assert ours.state[p]["step"].item() == ref.state[q]["step"].item() == seed + 1 - (seed > 2)
+    moved = max((p - q).abs().max().item() for p, q in zip(our_params, _params(device)))
+    assert moved > 1e-3  # the steps did something
+    # a checkpoint moves both ways between it and torch's (whose step count lives on the CPU)
+    theirs_params = [torch.nn.Parameter(p.detach().clone()) for p in our_params]
+    theirs = torch.optim.AdamW(_groups(theirs_params), foreach=False, **HYPER)
+    theirs.load_state_dict(copy.deepcopy(ours.state_dict()))  # load_state_dict would alias the tensors
+    again_params = [torch.nn.Parameter(p.detach().clone()) for p in our_params]
+    again = TritonAdamW(_groups(again_params), **HYPER)
+    again.load_state_dict(copy.deepcopy(theirs.state_dict()))
+    for params in (theirs_params, again_params):
+        _set_grads(params, 10)
+    theirs.step()
+    again.step()
+    for p, q in zip(again_params, theirs_params):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert again.state[p]["step"].device == p.device and again.state[p]["step"].item() == 4
+
+
+def _interpreter_main() -> None:
+    from tests.helpers import patch_triton_interpreter
+
+    patch_triton_interpreter()
+    check("cpu")
+    print("adamw interpreter ok")
+
+
+def test_triton_adamw_takes_torchs_step_in_the_interpreter():
+    run_in_triton_interpreter("import tests.train.test_triton_adamw as t; t._interpreter_main()", "adamw interpreter ok")
+
+
+@pytest.mark.gpu
+def test_triton_adamw_takes_torchs_step_on_the_gpu():
+    check("cuda")
+
+
+def _model(device: str = "cpu") -> Transformer:
+    cfg = ModelConfig(vocab_size=32, dim=16, num_layers=1, num_heads=2,
+                      moe=MoEConfig(num_experts=4, top_k=2, expert_dim=8, kernel_backend="reference"))
+    model = Transformer(cfg).to(device)
+    model.init_weights(seed=0)
+    return model
+
+
+def test_triton_adamw_refuses_cpu_parameters():
+    with pytest.raises(ValueError, match="triton runs on CUDA GPUs; the parameters are on cpu.*implementation=fused"):
+        build_optimizer(_model(), OptimConfig(implementation="triton"))
+
+
+def test_torchs_fused_adamw_takes_the_clip_as_a_divisor():
+    """The trainer hands fused AdamW the clip as `grad_scale` instead of scaling every gradient in place first
+    (the moments show the clipped gradient: AdamW's update alone hardly depends on a gradient's scale)."""
+    after = {}
+    for in_step in (False, True):
+        model = _model()
+        opt = build_optimizer(model, OptimConfig(implementation="fused"))
+        for seed in range(2):
+            tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(seed))
+            out = model(tokens)
+            (out.logits_BSV.square().mean() + out.router_loss).backward()
+            norm, grad_scale = clip_grad_norm(model.parameters(), 0.01, scale_in_step=in_step)
+            assert (grad_scale is not None) == in_step and norm > 0.01  # it clips
+            optimizer_step(opt, grad_scale)
+            opt.zero_grad()
+        after[in_step] = [torch.cat([p.detach().flatten() for p in model.parameters()]),
+                          torch.cat([opt.state[p]["exp_avg"].flatten() for p in model.parameters()])]
+    for a, b in zip(after[True], after[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert clip_grad_norm(_model().parameters(), float("inf"), scale_in_step=True)[1] is None  # no clip, no divisor
