@@ -376,4 +376,7 @@ def token_rounding_method(router, logits_TE: Tensor, backend) -> tuple[TopK, Rou
                                   rows_op=backend.token_rounding_rows)
     if balance and not recomputing():
         router.balance_pending_E.copy_(router.balance_residual_E + rounded.topk_counts_E - rounded.rounded_E)
-    return topk, rounded.plan, count_per_expert(topk.expert_idx_TK, router.num_experts)
+    # f_e: the selection counted it already, except under ep, where its counts are the group's sum
+    topk_counts_E = rounded.topk_counts_E if router.ep_group is None else count_per_expert(topk.expert_idx_TK,
+                                                                                          router.num_experts)
+    return topk, rounded.plan, topk_counts_E

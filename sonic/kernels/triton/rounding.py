@@ -25,7 +25,7 @@ from torch import Tensor
 
 from sonic.routing import token_rounding
 
-_EC_SHIFT = 0x7F800001  # EC keys are P's bits minus this: below every TC key (a gate's bits, >= 0)
+_EC_SHIFT = tl.constexpr(0x7F800001)  # EC keys are P's bits minus this: below every TC key (a gate's bits, >= 0)
 _RESIDENT_T = 16384  # up to this many tokens an expert's row stays in registers through the bisection
 _CHUNK = 4096  # beyond, the row is read in blocks of this many tokens per counting pass
 _KEEP_WARPS = 16  # the keep kernel's warps on a resident row of more than 4096 tokens
@@ -42,7 +42,7 @@ def _keys_kernel(probs_TE, idx_TK, gates_TK, key_ET, prob_ET, counts_CE, T, E: t
     tm = t < T
     m = tm[:, None] & (e < E)[None, :]
     p = tl.load(probs_TE + t.to(tl.int64)[:, None] * E + e[None, :], mask=m, other=0.0)
-    key = p.to(tl.int32, bitcast=True) - 0x7F800001
+    key = p.to(tl.int32, bitcast=True) - _EC_SHIFT
     picks = tl.zeros((BE,), tl.int32)
     for k in tl.static_range(K):
         ik = tl.load(idx_TK + t.to(tl.int64) * K + k, mask=tm, other=-1)
@@ -127,7 +127,7 @@ def _keep_kernel(key_ET, prob_ET, rounded_E, start_E, pairs_R2, T, RESIDENT: tl.
         k_row = tl.load(key_T + t, mask=t < T, other=0)
         p_row = tl.load(prob_T + t, mask=t < T, other=0)
     if c > 0:
-        kv = _bisect(key_T, prob_T, T, c, 0, k_row, p_row, -0x7F800001, 0x7F800000, False, RESIDENT, BLOCK, 32)
+        kv = _bisect(key_T, prob_T, T, c, 0, k_row, p_row, -_EC_SHIFT, 0x7F800000, False, RESIDENT, BLOCK, 32)
         pv = tl.full((), -1, tl.int32)  # below every P: all tokens at key kv are kept...
         if _count_from(key_T, prob_T, T, kv, 0, k_row, p_row, False, RESIDENT, BLOCK) > c:  # ...unless too many
             pv = _bisect(key_T, prob_T, T, c, kv, k_row, p_row, 0, 0x7F800000, True, RESIDENT, BLOCK, 31)

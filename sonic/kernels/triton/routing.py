@@ -17,8 +17,8 @@ rank its pairs within an expert. Rows come out sorted by expert then token, exac
 build_plan's argsort would, with a cost independent of E.
 
 prefix_centre[_backward] (routing.input_centring=prefix): the router input's scan, in
-sonic/kernels/triton/centring.py. token_rounding_rows (routing.method=token_rounding): the selection in one
-kernel, in sonic/kernels/triton/rounding.py.
+sonic/kernels/triton/centring.py. token_rounding_rows (routing.method=token_rounding): the selection's keys
+and keep kernels, in sonic/kernels/triton/rounding.py.
 """
 from __future__ import annotations
 
