@@ -133,8 +133,9 @@ def foreach_max_abs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def foreach_add_(tensors: list[torch.Tensor], other: torch.Tensor) -> None:
-    """Add the 0-d tensor `other` to every tensor in place, in one multi-tensor launch (no host sync)."""
-    torch._foreach_add_(tensors, other)
+    """Add the 0-d tensor `other` to every tensor in place, in one multi-tensor launch. The list overload: the
+    one that takes `other` alone reads it on the host (a sync on CUDA)."""
+    torch._foreach_add_(tensors, [other] * len(tensors))
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """AdamW with decoupled weight decay and the learning-rate schedules."""
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from sonic import compat
 
 SCHEDULES = ("cosine", "wsd", "constant")
-IMPLEMENTATIONS = ("fused", "foreach", "for_loop", "triton")
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop", "triton")
 
 
 @dataclass
@@ -28,9 +29,11 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     decay_norms_and_embeddings: bool = False  # True applies weight decay to norms, biases, embeddings too
     # fused: one kernel per step for all parameters (sonic_7b cut to 4 layers on an H100: AdamW step
-    # 9.1 ms vs 25.1 ms foreach, +11% tokens/s; bench/results/2026-11-22-h100-train_step-4L.json)
-    # triton: Sonic's one-pass kernel (TritonAdamW), the clip applied as it reads each gradient; CUDA only
-    implementation: str = "fused"  # fused | foreach | for_loop (torch.optim.AdamW's three code paths) | triton
+    # 9.1 ms vs 25.1 ms foreach, +11% tokens/s; bench/results/2026-11-22-h100-train_step-4L.json).
+    # triton: Sonic's one-pass kernel (TritonAdamW) that also applies the clip as it reads each gradient; CUDA
+    # only (cut to 8 layers on an H100, clip + step 17.6 ms vs fused's 21.3 ms, the clip as grad_scale:
+    # bench/results/2026-11-24-h100-train_step-8L-optimizers.json). auto: triton on CUDA, else fused.
+    implementation: str = "auto"  # auto | triton | fused | foreach | for_loop (the last three: torch.optim.AdamW's)
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -129,16 +132,25 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         is_vector_or_embedding = p.dim() < 2 or "embed_tokens" in name or name.endswith(("b1_EF", "b2_ED"))
         (no_decay if is_vector_or_embedding and not cfg.decay_norms_and_embeddings else decay).append(p)
     groups = [{"params": decay}, {"params": no_decay}]
-    if cfg.implementation == "triton":
-        devices = sorted({p.device.type for p in decay + no_decay} - {"cuda"})
-        if devices:
-            raise ValueError(f"optim.implementation=triton runs on CUDA GPUs; the parameters are on {', '.join(devices)}. "
-                             "Use optim.implementation=fused (torch's, also on the CPU)")
+    implementation = resolve_implementation(cfg.implementation, decay + no_decay)
+    if implementation == "triton":
         optimizer = TritonAdamW(groups, lr=cfg.lr)
     else:
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, **_IMPLEMENTATION_FLAGS[cfg.implementation])
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, **_IMPLEMENTATION_FLAGS[implementation])
     apply_config(optimizer, cfg)
     return optimizer
+
+
+def resolve_implementation(implementation: str, params) -> str:
+    """optim.implementation for these parameters: auto is triton where they are all on CUDA and Triton
+    imports, else fused."""
+    devices = sorted({p.device.type for p in params} - {"cuda"})
+    if implementation == "auto":
+        return "triton" if not devices and importlib.util.find_spec("triton") is not None else "fused"
+    if implementation == "triton" and devices:
+        raise ValueError(f"optim.implementation=triton runs on CUDA GPUs; the parameters are on {', '.join(devices)}. "
+                         "Use optim.implementation=fused (torch's, also on the CPU) or auto")
+    return implementation
 
 
 # torch.optim.AdamW's flags for each optim.implementation (None: torch's default, False here)
@@ -151,9 +163,12 @@ def apply_config(optimizer: torch.optim.AdamW, cfg: OptimConfig) -> None:
     resume: loading an optimizer's state also loads the checkpoint's hyperparameters, and a changed
     optim.* on resume is meant to apply (the LR is set every step, see `set_lr`)."""
     decay, no_decay = optimizer.param_groups
+    implementation = "triton" if isinstance(optimizer, TritonAdamW) else resolve_implementation(
+        cfg.implementation, decay["params"] + no_decay["params"])
+    assert (implementation == "triton") == isinstance(optimizer, TritonAdamW), "build it with build_optimizer(cfg)"
     for group, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0)):
         group.update(weight_decay=weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                     **_IMPLEMENTATION_FLAGS[cfg.implementation])
+                     **_IMPLEMENTATION_FLAGS[implementation])
 
 
 def set_lr(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int, total_steps: int) -> float:

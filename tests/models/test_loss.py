@@ -127,3 +127,18 @@ def test_gpu_backends_match_fp32_reference(backend):
     for a, b in ((gh, wh), (gw, ww)):
         assert torch.isfinite(a).all()
         assert (a.float() - b).norm() / b.norm() < 2e-2
+
+
+@pytest.mark.gpu
+def test_chunked_sums_the_head_gradient_in_fp32_on_cuda():
+    """The bf16 head's gradient is summed over chunks inside the GEMM, in fp32: no chunk's product is rounded to
+    bf16 first (that rounding alone is ~3e-3 relative)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = [torch.randn(256, 512, device="cuda", generator=g).bfloat16() for _ in range(3)]
+    b = [torch.randn(512, 128, device="cuda", generator=g).bfloat16() for _ in range(3)]
+    acc = torch.zeros(256, 128, device="cuda")
+    for x, y in zip(a, b):
+        loss_mod._accumulate_mm(acc, x, y)
+    want = sum(x.double() @ y.double() for x, y in zip(a, b))
+    assert acc.dtype == torch.float32
+    torch.testing.assert_close(acc.double(), want, rtol=1e-4, atol=1e-3)

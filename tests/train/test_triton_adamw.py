@@ -130,3 +130,14 @@ def test_torchs_fused_adamw_takes_the_clip_as_a_divisor():
     for a, b in zip(after[True], after[False]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert clip_grad_norm(_model().parameters(), float("inf"), scale_in_step=True)[1] is None  # no clip, no divisor
+
+
+def test_auto_is_torchs_fused_adamw_on_the_cpu():
+    optimizer = build_optimizer(_model(), OptimConfig())
+    assert OptimConfig().implementation == "auto" and type(optimizer) is torch.optim.AdamW
+    assert all(group["fused"] for group in optimizer.param_groups) and takes_grad_scale(optimizer)
+
+
+@pytest.mark.gpu
+def test_auto_is_triton_on_cuda():
+    assert isinstance(build_optimizer(_model("cuda"), OptimConfig()), TritonAdamW)
