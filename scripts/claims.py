@@ -295,6 +295,8 @@ E2E_1X_TR_EAGER, E2E_1X_TR_EAGER_TRITON = ("2026-11-24-1xh200-e2e-40L-tr-fused-e
                                           "2026-11-24-1xh200-e2e-40L-tr-fused-eager-triton.json")
 E2E_1X_TR_FUSED, E2E_1X_TR_FUSED_TRITON = ("2026-11-24-1xh200-e2e-40L-tr-fused.json",
                                           "2026-11-24-1xh200-e2e-40L-tr-fused-triton.json")
+E2E_1X_ADAMW, E2E_1X_ADAMW_TRITON = ("2026-11-24-1xh200-e2e-40L-adamw1pass.json",
+                                    "2026-11-24-1xh200-e2e-40L-adamw1pass-triton.json")
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
     Text("steps (averaged)", "steps_averaged"),
@@ -354,7 +356,12 @@ TABLES = (
                   E2E_1X_TR_FUSED, "cute_40L"),
               e2e("the same job, `routing=token_rounding`", E2E_1X_TR_FUSED, "cute_token_rounding_40L"),
               e2e("the same two on triton: top-K", E2E_1X_TR_FUSED_TRITON, "triton_40L"),
-              e2e("triton, `routing=token_rounding`", E2E_1X_TR_FUSED_TRITON, "triton_token_rounding_40L"))),
+              e2e("triton, `routing=token_rounding`", E2E_1X_TR_FUSED_TRITON, "triton_token_rounding_40L"),
+              e2e("recipe, one GPU, cute, top-K (AdamW in one Triton pass with the clip in it; the head's gradient "
+                  "summed in the GEMM)", E2E_1X_ADAMW, "cute_40L"),
+              e2e("the same job, `routing=token_rounding`", E2E_1X_ADAMW, "cute_token_rounding_40L"),
+              e2e("the same two on triton: top-K", E2E_1X_ADAMW_TRITON, "triton_40L"),
+              e2e("triton, `routing=token_rounding`", E2E_1X_ADAMW_TRITON, "triton_token_rounding_40L"))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),
