@@ -60,6 +60,18 @@ def _compiled_ce_chunk():
     return torch.compile(_ce_chunk, dynamic=True)
 
 
+def _chunk_fn(logits_dtype: torch.dtype, device: torch.device):
+    """The chunk's CE: one Triton program per row for bf16/fp16 logits on CUDA (sonic/kernels/triton/
+    cross_entropy.py), torch.compile's kernel for other dtypes there, plain torch elsewhere."""
+    if device.type != "cuda":
+        return _ce_chunk
+    if logits_dtype in (torch.bfloat16, torch.float16):
+        from sonic.kernels.triton.cross_entropy import ce_chunk  # noqa: PLC0415 (Triton: CUDA machines only)
+
+        return functools.partial(ce_chunk, ignore_index=IGNORE_INDEX)
+    return _compiled_ce_chunk()
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     @torch.autocast("cuda", enabled=False)  # the caller casts h and w to the compute dtype
@@ -67,7 +79,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
     def forward(ctx, h_TD: Tensor, w_VD: Tensor, labels_T: Tensor) -> Tensor:
         T, V = h_TD.shape[0], w_VD.shape[0]
         chunk = max(1, CHUNK_ELEMENTS // V)
-        ce = _compiled_ce_chunk() if h_TD.is_cuda else _ce_chunk
+        ce = _chunk_fn(torch.promote_types(h_TD.dtype, w_VD.dtype), h_TD.device)
         acc = torch.promote_types(h_TD.dtype, torch.float32)
         inv_count = 1.0 / (labels_T != IGNORE_INDEX).sum().clamp_min(1).to(acc)
         loss = torch.zeros((), dtype=acc, device=h_TD.device)
@@ -90,8 +102,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
 def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """acc += a @ b, summed over chunks in acc's dtype (fp32). On CUDA cuBLAS adds into acc in the GEMM's
-    epilogue (no bf16 product rounded, written and read again: 1.23 vs 1.71 ms per sonic_7b chunk on an H100,
-    and the fp32 sum is exact to the GEMM's accumulation); elsewhere torch has no such GEMM for bf16."""
+    epilogue: no bf16 product is rounded, written and read back by an add (`python -m bench.loss` times both);
+    elsewhere torch has no such GEMM for bf16."""
     if acc.is_cuda and a.dtype != acc.dtype:
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:

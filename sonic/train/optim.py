@@ -31,8 +31,8 @@ class OptimConfig:
     # fused: one kernel per step for all parameters (sonic_7b cut to 4 layers on an H100: AdamW step
     # 9.1 ms vs 25.1 ms foreach, +11% tokens/s; bench/results/2026-11-22-h100-train_step-4L.json).
     # triton: Sonic's one-pass kernel (TritonAdamW) that also applies the clip as it reads each gradient; CUDA
-    # only (cut to 8 layers on an H100, clip + step 17.6 ms vs fused's 21.3 ms, the clip as grad_scale:
-    # bench/results/2026-11-24-h100-train_step-8L-optimizers.json). auto: triton on CUDA, else fused.
+    # only (sonic_7b cut to 8 layers on an H200: clip + step 12.65 ms vs fused's 16.01 ms with the clip as its
+    # grad_scale; bench/results/2026-11-24-h200-train_step-8L-optimizers.json). auto: triton on CUDA, else fused.
     implementation: str = "auto"  # auto | triton | fused | foreach | for_loop (the last three: torch.optim.AdamW's)
 
     def __post_init__(self):
