@@ -297,6 +297,7 @@ E2E_1X_TR_FUSED, E2E_1X_TR_FUSED_TRITON = ("2026-11-24-1xh200-e2e-40L-tr-fused.j
                                           "2026-11-24-1xh200-e2e-40L-tr-fused-triton.json")
 E2E_1X_ADAMW, E2E_1X_ADAMW_TRITON = ("2026-11-24-1xh200-e2e-40L-adamw1pass.json",
                                     "2026-11-24-1xh200-e2e-40L-adamw1pass-triton.json")
+E2E_1X_CE_TRITON = "2026-11-24-1xh200-e2e-40L-ce-triton.json"
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
     Text("steps (averaged)", "steps_averaged"),
@@ -361,7 +362,10 @@ TABLES = (
                   "summed in the GEMM)", E2E_1X_ADAMW, "cute_40L"),
               e2e("the same job, `routing=token_rounding`", E2E_1X_ADAMW, "cute_token_rounding_40L"),
               e2e("the same two on triton: top-K", E2E_1X_ADAMW_TRITON, "triton_40L"),
-              e2e("triton, `routing=token_rounding`", E2E_1X_ADAMW_TRITON, "triton_token_rounding_40L"))),
+              e2e("triton, `routing=token_rounding`", E2E_1X_ADAMW_TRITON, "triton_token_rounding_40L"),
+              e2e("recipe, one GPU, triton, top-K (the loss's CE in one Triton program per row)", E2E_1X_CE_TRITON,
+                  "triton_40L"),
+              e2e("the same job, `routing=token_rounding`", E2E_1X_CE_TRITON, "triton_token_rounding_40L"))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),
