@@ -10,9 +10,9 @@ to the logits, the gates never do (DeepSeek-V3). Ties go to the lower expert ind
 
 This module is the torch routing backend (routing.backend=torch, sonic/routing/backends.py: select_topk,
 route_topk, token_rounding_rows, and the router input's prefix_centre[_backward] from sonic/routing/scores.py)
-and defines the semantics; sonic/kernels/triton/routing.py is the fused one. Both give a TopK with the statistics the losses
-need (the full softmax summed over tokens, and the logsumexp per token), so no loss makes a second pass over
-T x E.
+and defines the semantics; sonic/kernels/triton/routing.py is the fused one. Both give a TopK with the
+statistics the losses need (the full softmax summed over tokens, and the logsumexp per token), so no loss
+makes a second pass over T x E.
 """
 from __future__ import annotations
 

@@ -163,8 +163,7 @@ def apply_config(optimizer: torch.optim.AdamW, cfg: OptimConfig) -> None:
     resume: loading an optimizer's state also loads the checkpoint's hyperparameters, and a changed
     optim.* on resume is meant to apply (the LR is set every step, see `set_lr`)."""
     decay, no_decay = optimizer.param_groups
-    implementation = "triton" if isinstance(optimizer, TritonAdamW) else resolve_implementation(
-        cfg.implementation, decay["params"] + no_decay["params"])
+    implementation = resolve_implementation(cfg.implementation, decay["params"] + no_decay["params"])
     assert (implementation == "triton") == isinstance(optimizer, TritonAdamW), "build it with build_optimizer(cfg)"
     for group, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0)):
         group.update(weight_decay=weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,

@@ -16,7 +16,8 @@ from torch import Tensor
 
 BLOCK_V = 4096
 WARPS = 8
-_FLOOR = tl.constexpr(-1e30)  # a finite stand-in for -inf in masked lanes: exp(FLOOR - m) is 0 and FLOOR - FLOOR is 0, not NaN
+# a finite stand-in for -inf in masked lanes: exp(FLOOR - m) is 0, and FLOOR - FLOOR is 0, not NaN
+_FLOOR = tl.constexpr(-1e30)
 
 
 @triton.jit(do_not_specialize=["V"])
