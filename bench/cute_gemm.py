@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench.common import write_json
 from bench.moe_configs import CONFIGS
 from sonic.kernels.cute.selfcheck import wait_or_exit
 
@@ -155,13 +154,10 @@ def main() -> None:
         "what": "cute grouped GEMM kernels", "shape": dict(zip("TDNEK", SHAPES[args.shape])),
         "name": args.shape, "gpu": torch.cuda.get_device_name(), "rows": rows, "layer": layer,
         "first_call_s": first_call_s, "compile_s": ops.COMPILE_LOG,
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "date": datetime.date.today().isoformat(),
     }
     gpu = torch.cuda.get_device_name().split()[-1].lower().replace(" ", "")
-    path = Path(args.out or f"bench/results/{result['date']}-{gpu}-cute-{args.shape}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    path = Path(args.out or f"bench/results/{datetime.date.today().isoformat()}-{gpu}-cute-{args.shape}.json")
+    write_json(path, result)  # with the command, date and commit
 
     print(f"\n{args.shape} T,D,N,E,K={SHAPES[args.shape]}  R={R}  first call (compile) {first_call_s:.1f}s")
     for key, secs in ops.COMPILE_LOG:

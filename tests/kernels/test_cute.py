@@ -91,14 +91,18 @@ def inputs(T, D, N, E, seed):
 @pytest.mark.gpu
 @needs_cute
 def test_up_and_down_proj(shape, routing):
+    check_up_and_down_proj(shape, routing, cfgs={})
+
+
+def check_up_and_down_proj(shape, routing, cfgs):
     from sonic.kernels.cute import ops
     T, D, N, E, K = shape
     plan = make_plan(T, E, K, routing, seed=T + E)
     x, w1, w2 = inputs(T, D, N, E, seed=7)
     R = plan.num_rows
-    h, a = ops.up_proj(x, w1, plan.token_idx_R, plan.expert_offsets_E1,
+    h, a = ops.up_proj(x, w1, plan.token_idx_R, plan.expert_offsets_E1, cfg=cfgs.get("up"),
                        out=(poisoned(R, 2 * N), poisoned(R, N)))
-    y = ops.down_proj(a, w2, plan.expert_offsets_E1, plan.token_idx_R, out=poisoned(R, D))
+    y = ops.down_proj(a, w2, plan.expert_offsets_E1, plan.token_idx_R, cfg=cfgs.get("down"), out=poisoned(R, D))
     tok = plan.token_idx_R.long()
     h_ref = torch.empty(R, 2 * N, device="cuda")
     y_ref = torch.empty(R, D, device="cuda")
@@ -115,6 +119,10 @@ def test_up_and_down_proj(shape, routing):
 @pytest.mark.gpu
 @needs_cute
 def test_dh_dx_dw(shape, routing):
+    check_dh_dx_dw(shape, routing, cfgs={})
+
+
+def check_dh_dx_dw(shape, routing, cfgs):
     from sonic.kernels.cute import ops
     T, D, N, E, K = shape
     plan = make_plan(T, E, K, routing, seed=3 * T + E)
@@ -124,13 +132,15 @@ def test_dh_dx_dw(shape, routing):
     dout = torch.randn(T, D, device="cuda", generator=g).bfloat16()
     h = torch.randn(R, 2 * N, device="cuda", generator=g).bfloat16()
     s = plan.scores_R.float()
-    n_tiles = -(-N // ops.dh_tile_n(D, N))
-    dh, ap, ds = ops.dh(dout, w2, h, s, plan.token_idx_R, plan.expert_offsets_E1,
+    n_tiles = -(-N // ops.dh_tile_n(D, N, cfgs.get("dh")))
+    dh, ap, ds = ops.dh(dout, w2, h, s, plan.token_idx_R, plan.expert_offsets_E1, cfg=cfgs.get("dh"),
                         out=(poisoned(R, 2 * N), poisoned(R, N),
                              poisoned(n_tiles, R, dtype=torch.float32)))
-    dxt = ops.dx_rows(dh, w1, plan.expert_offsets_E1, plan.token_idx_R, out=poisoned(R, D))
-    dw1 = ops.dw1(dh, x, plan.token_idx_R, plan.expert_offsets_E1, E, out=poisoned(E, 2 * N, D))
-    dw2 = ops.dw2(dout, ap, plan.token_idx_R, plan.expert_offsets_E1, E, out=poisoned(E, D, N))
+    dxt = ops.dx_rows(dh, w1, plan.expert_offsets_E1, plan.token_idx_R, cfg=cfgs.get("dx"), out=poisoned(R, D))
+    dw1 = ops.dw1(dh, x, plan.token_idx_R, plan.expert_offsets_E1, E, cfg=cfgs.get("dw1"),
+                  out=poisoned(E, 2 * N, D))
+    dw2 = ops.dw2(dout, ap, plan.token_idx_R, plan.expert_offsets_E1, E, cfg=cfgs.get("dw2"),
+                  out=poisoned(E, D, N))
 
     tok = plan.token_idx_R.long()
     da_prime = torch.empty(R, N, device="cuda")
@@ -152,6 +162,42 @@ def test_dh_dx_dw(shape, routing):
     if routing == "empty":  # experts without rows get exact zeros
         empty = (plan.counts_E() == 0).nonzero().flatten()
         assert (dw1[empty] == 0).all() and (dw2[empty] == 0).all()
+
+
+# Every tile configuration the defaults or a sweep may pick, on every kernel it applies to: partial n-tiles
+# (d = 384 and 512, N = 192 against 128-, 192- and 256-wide tiles; with a cluster, an odd n-tile count padded
+# to even), rows per expert that are not multiples of the 128-row tile, experts without rows.
+TILE_CONFIGS = ["pp128", "pp192", "co128", "co192", "co256"]
+CLUSTER_CONFIGS = ["pp128c2", "pp192c2", "co256c2"]  # down and dx only
+
+
+@pytest.mark.parametrize("cfg", TILE_CONFIGS + CLUSTER_CONFIGS)
+@pytest.mark.gpu
+@needs_cute
+def test_every_tile_config(cfg):
+    from sonic.kernels.cute import ops
+
+    def fits(kind):
+        try:
+            ops.check_config(kind, ops.Config.parse(cfg))
+            return True
+        except ValueError:
+            return False
+
+    cfgs = {k: cfg for k in ("up", "down", "dh", "dx", "dw1", "dw2") if fits(k)}
+    for shape, routing in ((SHAPES[0], "skewed"), (SHAPES[1], "uniform"), (SHAPES[1], "empty")):
+        check_up_and_down_proj(shape, routing, cfgs)
+        check_dh_dx_dw(shape, routing, cfgs)
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_configs_a_kernel_cannot_run_are_refused():
+    from sonic.kernels.cute import ops
+    for kind, cfg, why in (("up", "co256c2", "only down and dx"), ("dw1", "co192", "power of two"),
+                           ("down", "pp256", "192 columns at most"), ("dx", "co96", "64, 128, 192 or 256")):
+        with pytest.raises(ValueError, match=why):
+            ops.compiled(kind, torch.bfloat16, 512, 256, 8, cfg)
 
 
 @pytest.mark.gpu

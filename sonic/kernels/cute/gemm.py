@@ -56,6 +56,9 @@ class GemmSpec:
     tile_k: int = 64
     epi_n: int = 32  # epilogue sub-tile width (columns of the accumulator)
     pingpong: bool = False  # consumers take alternate tiles; one's epilogue hides under the other's MMAs
+    # CTAs per cluster along N: a pair takes adjacent n-tiles of one m-tile, and each loads half of their
+    # shared A tile and multicasts it to both (half the A traffic from L2). varlen-M, TMA operands only.
+    cluster_n: int = 1
     num_sms: int = 132
 
     def __post_init__(self):
@@ -64,8 +67,10 @@ class GemmSpec:
         assert not (self.varlen == "m" and self.gather == "b")
         assert self.tile_m == 128 and self.tile_k == 64
         assert self.tile_n % self.epi_n == 0 and (self.tile_n // self.epi_n) % 2 == 0
-        # a ping-pong consumer holds a whole tile: 128 x tile_n fp32 over 128 threads
-        assert not self.pingpong or self.tile_n <= 128
+        # a ping-pong consumer holds a whole tile: 128 x tile_n fp32 over 128 threads (192 registers at most)
+        assert not self.pingpong or self.tile_n <= 192
+        assert self.cluster_n in (1, 2)
+        assert self.cluster_n == 1 or (self.varlen == "m" and self.gather is None), "multicast needs TMA-loaded A"
 
     @property
     def epi_threads(self) -> int:
@@ -149,8 +154,10 @@ class GroupedGemm:
         mA_tma, mB_tma = mA, mB
         tma_bytes = 0
         if const_expr(self.spec.gather != "a"):
-            tma_a, mA_tma = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), mA, a_one, (self.bm, self.bk))
+            op = cpasync.CopyBulkTensorTileG2SOp() if self.spec.cluster_n == 1 else \
+                cpasync.CopyBulkTensorTileG2SMulticastOp()
+            tma_a, mA_tma = cpasync.make_tiled_tma_atom(op, mA, a_one, (self.bm, self.bk),
+                                                        num_multicast=self.spec.cluster_n)
             tma_bytes += cute.size_in_bytes(self.a_dtype, a_one)
         if const_expr(self.spec.gather != "b"):
             tma_b, mB_tma = cpasync.make_tiled_tma_atom(
@@ -172,12 +179,14 @@ class GroupedGemm:
         self.shared_storage = SharedStorage
         if const_expr(self.spec.varlen == "m"):
             grid = self.spec.num_sms  # tile count is only known on device
+            grid -= grid % self.spec.cluster_n  # whole clusters
         else:
             n_tiles = E * cute.ceil_div(mA.shape[0], self.bm) * cute.ceil_div(mB.shape[0], self.bn)
             grid = min(self.spec.num_sms, n_tiles)
         self.kernel(tma_a, mA_tma, tma_b, mB_tma, mA, mB, mOffsets, mIdx, epi_args,
                     self.tiled_mma, a_smem, b_smem).launch(
-            grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), min_blocks_per_mp=1, stream=stream)
+            grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), cluster=(self.spec.cluster_n, 1, 1), min_blocks_per_mp=1,
+            stream=stream)
 
     # ------------------------------------------------------------------ device code
     @cute.kernel
@@ -198,13 +207,15 @@ class GroupedGemm:
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         producer_arrivals = 1 + self.num_gather_threads
+        cluster = self.spec.cluster_n
         pipe_cls = _PipelineTmaCpAsync if const_expr(self.spec.gather is not None) else pipeline.PipelineTmaAsync
         ab_pipe = pipe_cls.create(
             barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_arrivals),
-            # one arrive per consumer warp that reads a stage: 4 (ping-pong) or 8 (cooperative)
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.spec.epi_threads // 32),
-            tx_count=self.tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+            # one arrive per consumer warp that reads a stage, 4 (ping-pong) or 8 (cooperative), from each CTA
+            # of the cluster: a stage is free only once both CTAs have read the A half this one multicast
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.spec.epi_threads // 32 * cluster),
+            tx_count=self.tma_bytes, cta_layout_vmnk=cute.make_layout((1, 1, cluster, 1)), defer_sync=True)
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sEpi = storage.sEpi.get_tensor(cute.make_layout(self.epi.smem_elems(self.spec) * self.epi_copies))
@@ -214,9 +225,17 @@ class GroupedGemm:
             if warp_idx == 1:
                 self._build_tables(mOffsets, sTile, sRow)
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if const_expr(cluster > 1):  # the peer's barriers are initialised before anything arrives on them
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         n_tiles_n = cute.ceil_div(mB.shape[0], self.bn)
+        if const_expr(cluster > 1):
+            # an even count keeps a cluster's CTAs (consecutive block ids, an even grid) on the two n-tiles of
+            # one m-tile; an n-tile past N loads zeros (TMA bounds) and stores nothing
+            n_tiles_n = (n_tiles_n + 1) // 2 * 2
         if const_expr(self.spec.varlen == "m"):
             total = sTile[E] * n_tiles_n
         else:
@@ -314,6 +333,12 @@ class GroupedGemm:
         k_tiles_static = cute.ceil_div(mA.shape[1], self.bk)
         is_tma_warp = warp_idx == 0
         gtid = cute.arch.thread_idx()[0]  # 0..127 within the producer warpgroup
+        rank = Int32(0)
+        mcast = None
+        if const_expr(self.spec.cluster_n > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            cluster_layout = cute.make_layout((1, self.spec.cluster_n, 1))
+            mcast = cute.make_layout_image_mask(cluster_layout, cluster_layout.get_flat_coord(rank), mode=1)
         t = bid
         while t < total:
             expert, mt, nt, start, length = self._decode(t, n_tiles_n, sTile, sRow, mOffsets, m_tiles)
@@ -327,7 +352,8 @@ class GroupedGemm:
                     gA = cute.local_tile(cute.domain_offset((start, 0), mA_tma), (self.bm, self.bk), (0, None))
                 else:
                     gA = cute.local_tile(cute.domain_offset((0, start), mA_tma), (self.bm, self.bk), (mt, None))
-                tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                # with a cluster, this CTA loads its half of the A tile's rows and multicasts it to both
+                tAsA, tAgA = cpasync.tma_partition(tma_a, rank, cute.make_layout(self.spec.cluster_n),
                                                    cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
             if const_expr(self.spec.gather != "b"):
                 if const_expr(self.spec.varlen == "m"):
@@ -345,7 +371,7 @@ class GroupedGemm:
             if const_expr(self.spec.gather == "b"):
                 prefetch_fn, gather_fn = self._gather_k_fn(mB, sB, mIdx, start, length, nt * self.bn, gtid)
 
-            ops_ = (tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, gather_fn, is_tma_warp)
+            ops_ = (tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, gather_fn, is_tma_warp, mcast)
             if const_expr(prefetch_fn is None):
                 for kt in cutlass.range(k_tiles, unroll=1):
                     self._load_stage(ab_pipe, state, kt, None, *ops_)
@@ -369,12 +395,16 @@ class GroupedGemm:
 
     @cute.jit
     def _load_stage(self, ab_pipe, state, kt, idx, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, gather_fn,
-                    is_tma_warp):
-        """Fill ring stage `state` with k-tile kt (idx: prefetched token rows for varlen-K)."""
+                    is_tma_warp, mcast):
+        """Fill ring stage `state` with k-tile kt (idx: prefetched token rows for varlen-K; mcast: the
+        cluster's CTAs that receive this CTA's part of A, None without a cluster)."""
         if const_expr(self.spec.gather is None):
             ab_pipe.producer_acquire(state)
             bar = ab_pipe.producer_get_barrier(state)
-            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            if const_expr(mcast is None):
+                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+            else:
+                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mcast)
             cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
             ab_pipe.producer_commit(state)
         else:

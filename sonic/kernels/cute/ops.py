@@ -20,6 +20,7 @@ import re
 import threading
 import time
 import warnings
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -110,26 +111,50 @@ def _options() -> str:
 
 @dataclass(frozen=True)
 class Config:
-    """Tile configuration of one kernel: output-tile width and consumer schedule.
+    """Tile configuration of one kernel: output-tile width, consumer schedule, cluster.
 
     "co256": cooperative, 128x256 tile split over both consumer warpgroups.
-    "pp128": ping-pong, each warpgroup owns alternate 128x128 tiles."""
+    "pp128": ping-pong, each warpgroup owns alternate 128x128 tiles.
+    "pp192c2": ping-pong 128x192 tiles, CTAs in pairs that share (multicast) their A tile; only the
+    kernels whose A is TMA-loaded (down, dx)."""
     tile_n: int
     pingpong: bool
+    cluster: int = 1
 
     @staticmethod
     def parse(text: str) -> "Config":
-        if text[:2] not in ("co", "pp") or not text[2:].isdigit():
-            raise ValueError(f"tile config {text!r}: expected co<tile_n> or pp<tile_n>, e.g. pp128")
-        return Config(int(text[2:]), text[:2] == "pp")
+        head = text.removesuffix("c2")
+        if head[:2] not in ("co", "pp") or not head[2:].isdigit():
+            raise ValueError(f"tile config {text!r}: expected co<tile_n> or pp<tile_n>, optionally ending in c2 "
+                             f"(a 2-CTA cluster), e.g. pp128 or pp192c2")
+        return Config(int(head[2:]), head[:2] == "pp", 2 if text.endswith("c2") else 1)
 
     def __str__(self) -> str:
-        return f"{'pp' if self.pingpong else 'co'}{self.tile_n}"
+        return f"{'pp' if self.pingpong else 'co'}{self.tile_n}" + ("c2" if self.cluster == 2 else "")
+
+
+CLUSTERED = ("down", "dx")  # the varlen-M kernels whose A operand is TMA-loaded (multicast in a cluster)
+
+
+def check_config(kind: str, cfg: Config) -> None:
+    """A ValueError naming what a tile config cannot do on this kernel (before anything compiles)."""
+    problem = None
+    if cfg.tile_n % 64 or not 64 <= cfg.tile_n <= 256:
+        problem = "the tile width must be 64, 128, 192 or 256"
+    elif cfg.pingpong and cfg.tile_n > 192:
+        problem = "a ping-pong warpgroup holds its whole tile in registers: 192 columns at most"
+    elif kind == "dw1" and cfg.tile_n & (cfg.tile_n - 1):
+        problem = "dw1 gathers its B tile with 128 threads in rows of tile_n / 8: a power of two"
+    elif cfg.cluster > 1 and kind not in CLUSTERED:
+        problem = f"clusters (c2) share a TMA-loaded A tile, which only {' and '.join(CLUSTERED)} have; drop the c2"
+    if problem:
+        raise ValueError(f"tile config {cfg} for the {kind} kernel: {problem}")
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config, sms: int):
     """Compile one kernel of the shape class (kind, dtype, D, N, E, config); T and R stay symbolic."""
+    check_config(kind, cfg)
     dt = _DTYPES[dtype]
     tile_n, pp = cfg.tile_n, cfg.pingpong
     F = 2 * N
@@ -145,7 +170,7 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
         b = _fake(dt, (F, D, E), (D, 1, F * D))
         args = (_fake(dt, (R, F), (F, 1)), _fake(dt, (R, N), (N, 1)))
     elif kind == "down":  # Y = A W2^T
-        spec = GemmSpec("m", None, E, tile_n=tile_n, pingpong=pp, num_sms=sms)
+        spec = GemmSpec("m", None, E, tile_n=tile_n, pingpong=pp, cluster_n=cfg.cluster, num_sms=sms)
         epi = StoreEpilogue()
         a = _fake(dt, (R, N), (N, 1))
         b = _fake(dt, (D, N, E), (N, 1, D * N))
@@ -159,7 +184,7 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
         args = (_fake(dt, (R, F), (F, 1)), _fake(f32, (R,), (1,)), _fake(dt, (R, F), (F, 1)),
                 _fake(dt, (R, N), (N, 1)), _fake(f32, (n_tiles, R), (R, 1)))
     elif kind == "dx":  # dX~ = dH W1
-        spec = GemmSpec("m", None, E, tile_n=tile_n, pingpong=pp, num_sms=sms)
+        spec = GemmSpec("m", None, E, tile_n=tile_n, pingpong=pp, cluster_n=cfg.cluster, num_sms=sms)
         epi = StoreEpilogue()
         a = _fake(dt, (R, F), (F, 1))
         b = _fake(dt, (D, F, E), (1, D, F * D))
@@ -194,17 +219,24 @@ def compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config 
         return _compiled(kind, dtype, D, N, E, cfg, num_sms() if torch.cuda.is_available() else 132)
 
 
-# Fastest on the 7B shape (H200 sweep, bench/results/2026-11-22-h200-cute-7b-sweep.json):
-# ping-pong wherever the epilogue is heavy relative to a short K loop, 256-wide tiles otherwise.
-DEFAULTS = {"up": "co256", "down": "pp128", "dh": "pp128", "dx": "pp128", "dw1": "co256", "dw2": "co256"}
+# up, dh, dw1, dw2: fastest on the 7B shape (H200 sweep, bench/results/2026-11-22-h200-cute-7b-sweep.json), and
+# on the 30B and OLMoE shapes since. down and dx, by their reduction length (n, 2n): CTA pairs that multicast A,
+# with ping-pong 192-wide tiles over a short reduction (<= SHORT_K: the epilogue weighs most) and 256-wide
+# cooperative tiles over a long one (H100 sweeps, bench/results/2026-11-25-h100-cute-sweep-{7b,30b,olmoe}.json).
+DEFAULTS = {"up": "co256", "down": ("pp192c2", "co256c2"), "dh": "pp128", "dx": ("pp192c2", "co256c2"),
+            "dw1": "co256", "dw2": "co256"}
+SHORT_K = 512
 
 
 def default_config(kind: str, D: int, N: int) -> Config:
     """Per-kernel tile configuration; 256-wide cooperative tiles only where they divide N."""
-    cfg = Config.parse(DEFAULTS[kind])
+    entry = DEFAULTS[kind]
+    if isinstance(entry, tuple):  # (short reduction, long reduction)
+        entry = entry[0] if {"down": N, "dx": 2 * N}[kind] <= SHORT_K else entry[1]
+    cfg = Config.parse(entry)
     n_out = {"up": 2 * N, "down": D, "dh": N, "dx": D, "dw1": D, "dw2": N}[kind]
     if cfg.tile_n == 256 and n_out % 256:
-        cfg = Config(128, cfg.pingpong)
+        cfg = dataclasses.replace(cfg, tile_n=128)
     return cfg
 
 
