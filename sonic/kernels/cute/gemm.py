@@ -185,8 +185,9 @@ class GroupedGemm:
             grid = min(self.spec.num_sms, n_tiles)
         self.kernel(tma_a, mA_tma, tma_b, mB_tma, mA, mB, mOffsets, mIdx, epi_args,
                     self.tiled_mma, a_smem, b_smem).launch(
-            grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), cluster=(self.spec.cluster_n, 1, 1), min_blocks_per_mp=1,
-            stream=stream)
+            grid=(grid, 1, 1), block=(NUM_THREADS, 1, 1), min_blocks_per_mp=1, stream=stream,
+            # no cluster attribute at all without one: the launch stays exactly the plain one
+            cluster=(self.spec.cluster_n, 1, 1) if self.spec.cluster_n > 1 else None)
 
     # ------------------------------------------------------------------ device code
     @cute.kernel
