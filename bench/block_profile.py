@@ -1,0 +1,120 @@
+"""Where the MoE block's time goes, kernel by kernel, beside the official layer's (a diagnostic for bench.moe_block).
+
+Per config: the block as bench.moe_block builds and times it (the --model preset's routing, bf16 autocast,
+torch.compile unless --eager) and the official sonic-moe layer on the same inputs, each profiled over --iters
+forward and forward+backward calls after three warm-up calls. Per profiled callable the JSON holds every
+kernel's time per call (summed over its launches), its launch count, the kernels' sum and the wall time per
+call (CUDA events around --iters back-to-back calls, not profiled). On the CPU (--device cpu, reference
+backend, no official layer) the rows are operators' self CPU time: a smoke test of this script.
+
+Run:   python -m bench.block_profile [--configs 30B,7B] [--backend cute] [--no-official] [--json PATH]
+       python -m bench.block_profile --device cpu --shape 64,32,16,4,2
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.common import result_path, write_json
+from bench.moe_block import block_forward, block_moe_config, official_forward, sonic_block, step_fns
+from bench.moe_configs import select_configs
+from bench.moe_layer import Problem, load_official, official_layer
+
+
+def kernel_table(fn, leaves, iters: int, cuda: bool) -> dict:
+    """fn's kernels (CUDA) or operators (CPU): [{name, ms per call, launches per call}], slowest first."""
+    def run():
+        fn()
+        for t in leaves:
+            t.grad = None
+
+    for _ in range(3):
+        run()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            run()
+        sync()
+    per_name = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        on_device = e.device_type == torch.autograd.DeviceType.CUDA
+        if on_device != cuda:
+            continue
+        per_name[e.name][0] += (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3 / iters
+        per_name[e.name][1] += 1
+    kernels = sorted(({"name": n, "ms": ms, "launches": c / iters} for n, (ms, c) in per_name.items()),
+                     key=lambda k: -k["ms"])
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run()
+    sync()
+    return {"wall_ms": (time.perf_counter() - t0) * 1e3 / iters, "kernel_ms": sum(k["ms"] for k in kernels),
+            "kernels": kernels}
+
+
+def profile_config(shape, args, official) -> dict:
+    p = Problem(*shape, device=args.device)
+    cuda = p.device.type == "cuda"
+    out = {"shape": list(shape)}
+    moe = sonic_block(p, block_moe_config(args.model, shape, args.backend))
+    if not args.eager:  # as sonic.parallel compiles each block: backends first, then compile
+        moe.resolve_backends(p.device)
+        moe.compile()
+    fwd, fb = step_fns(block_forward(moe, p.x, cuda, args.seq_len), p.dout)
+    leaves = [p.x] + list(moe.parameters())
+    out["sonic_fwd"], out["sonic_fb"] = (kernel_table(f, leaves, args.iters, cuda) for f in (fwd, fb))
+    del moe
+    if official is not None:
+        aux_coef = block_moe_config(args.model, shape, "reference").routing.aux_loss_coef
+        _, module, official_leaves = official_layer(official, p)
+        fwd, fb = step_fns(official_forward(module, p.x, aux_coef), p.dout)
+        out["official_fwd"], out["official_fb"] = (kernel_table(f, official_leaves, args.iters, cuda)
+                                                   for f in (fwd, fb))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default=None, help="comma list of bench/moe_configs.py names (default: 30B)")
+    ap.add_argument("--shape", action="append", default=[], metavar="T,d,n,E,K", help="an extra config")
+    ap.add_argument("--backend", default=None, help="the block's expert backend (default: cute on a GPU, "
+                                                      "reference on the CPU)")
+    ap.add_argument("--model", default="sonic_7b", help="preset whose MoE config (routing) the block uses")
+    ap.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (the router's centring reads them)")
+    ap.add_argument("--eager", action="store_true", help="profile the block uncompiled")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--no-official", action="store_true")
+    ap.add_argument("--top", type=int, default=15, help="kernels printed per callable (the JSON has all)")
+    ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench.block_profile needs a CUDA GPU (or --device cpu for a smoke test)")
+    if args.iters < 1:
+        ap.error(f"--iters {args.iters}: profile at least one call")
+    args.backend = args.backend or ("cute" if args.device == "cuda" else "reference")
+    official, why = (None, "--device cpu") if args.device == "cpu" else (
+        (None, "--no-official") if args.no_official else load_official())
+    configs = select_configs(args.configs if args.configs is not None or args.shape else "30B", args.shape, [])
+    results = {}
+    for name, shape in configs.items():
+        results[name] = profile_config(shape, args, official)
+        for what, rec in results[name].items():
+            if what == "shape":
+                continue
+            print(f"\n== {name} {what}: wall {rec['wall_ms']:.3f} ms per call, kernels {rec['kernel_ms']:.3f} ms")
+            for k in rec["kernels"][:args.top]:
+                print(f"  {k['ms']:8.3f} ms  x{k['launches']:<4g} {k['name'][:110]}")
+    path = write_json(result_path("block_profile", args.json),
+                      {"model": args.model, "backend": args.backend, "compiled": not args.eager,
+                       "iters": args.iters, "official_unavailable": why, "configs": results})
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
