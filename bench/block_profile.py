@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from bench.common import result_path, write_json
+from bench.common import cuda_or_exit, kernel_times, profiled, result_path, write_json
 from bench.moe_block import block_forward, block_moe_config, official_forward, sonic_block, step_fns
 from bench.moe_configs import select_configs
 from bench.moe_layer import Problem, load_official, official_layer
@@ -36,19 +34,8 @@ def kernel_table(fn, leaves, iters: int, cuda: bool) -> dict:
         run()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        for _ in range(iters):
-            run()
-        sync()
-    per_name = defaultdict(lambda: [0.0, 0])
-    for e in prof.events():
-        on_device = e.device_type == torch.autograd.DeviceType.CUDA
-        if on_device != cuda:
-            continue
-        per_name[e.name][0] += (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3 / iters
-        per_name[e.name][1] += 1
-    kernels = sorted(({"name": n, "ms": ms, "launches": c / iters} for n, (ms, c) in per_name.items()),
-                     key=lambda k: -k["ms"])
+    _, prof = profiled(lambda: [run() for _ in range(iters)], cuda)
+    kernels = [{"name": n, "ms": ms / iters, "launches": calls / iters} for n, ms, calls in kernel_times(prof, cuda)]
     t0 = time.perf_counter()
     for _ in range(iters):
         run()
@@ -93,8 +80,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench.block_profile needs a CUDA GPU (or --device cpu for a smoke test)")
+    cuda_or_exit(args.device, "bench.block_profile")
     if args.iters < 1:
         ap.error(f"--iters {args.iters}: profile at least one call")
     args.backend = args.backend or ("cute" if args.device == "cuda" else "reference")

@@ -92,6 +92,14 @@ def held_bytes(forward: Callable[[], object], cuda: bool) -> int | None:
     return held
 
 
+def cuda_or_exit(device: str, script: str) -> bool:
+    """Whether a benchmark's --device is CUDA; a SystemExit naming the CPU smoke mode when it is and no GPU is."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU (or --device cpu for a smoke test)")
+    return cuda
+
+
 def bench_ms(fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] = (), warmup: int = 25,
              rep: int = 100) -> float:
     """Median milliseconds of fn() on the GPU (triton.testing.do_bench: events, L2 flushed)."""
@@ -131,6 +139,14 @@ def profiled(step: Callable[[], object], cuda: bool):
             torch.cuda.synchronize()
         wall_ms = 1e3 * (time.perf_counter() - t0)
     return wall_ms, prof
+
+
+def kernel_times(prof, cuda: bool) -> list[tuple[str, float, int]]:
+    """(name, ms, calls) of a torch.profiler result: per CUDA kernel on a GPU, per operator's self CPU time
+    otherwise; slowest first, those that took no time left out."""
+    spent = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    return sorted(((e.key, spent(e) / 1e3, e.count) for e in prof.key_averages() if spent(e) > 0),
+                  key=lambda k: -k[1])
 
 
 def median_ms(fn: Callable[[], object], steps: int, warmup: int, cuda: bool) -> float:

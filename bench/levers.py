@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.common import median_ms, profiled, result_path, write_json
+from bench.common import cuda_or_exit, median_ms, profiled, result_path, write_json
 from sonic.models import Transformer, flops_per_token
 from sonic.models.presets import load_preset
 from sonic.parallel import DistInfo, ParallelConfig, parallelize
@@ -190,9 +190,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench.levers needs a CUDA GPU (or --device cpu for a smoke test)")
-    if device.type == "cuda":
+    if cuda_or_exit(args.device, "bench.levers"):
         device = torch.device("cuda", torch.cuda.current_device())
     args.B, args.S = (int(v) for v in args.batch.split("x"))
     wanted = None if args.levers == "all" else set(args.levers.split(","))

@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from bench.common import median_ms, result_path, write_json
+from bench.common import cuda_or_exit, median_ms, result_path, write_json
 from sonic.models import loss as loss_mod
 
 
@@ -31,9 +31,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script (timings meaningless)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("bench.loss needs a CUDA GPU (or --device cpu for a smoke test)")
+    cuda = cuda_or_exit(args.device, "bench.loss")
     T, D, V = args.tokens, args.dim, args.vocab
     dt = torch.bfloat16 if cuda else torch.float32
     g = torch.Generator(device=args.device).manual_seed(0)

@@ -55,7 +55,7 @@ import traceback
 
 import torch
 
-from bench.common import gpu_name, held_bytes, interleaved_ms, rel_err, result_path, table, write_json
+from bench.common import cuda_or_exit, gpu_name, held_bytes, interleaved_ms, rel_err, result_path, table, write_json
 from bench.moe_configs import TABLE_9B_NAMES, select_configs
 from bench.moe_layer import Problem, add_run_options, backend_names, load_official, official_layer
 from sonic.models.moe import MoE
@@ -348,8 +348,7 @@ def main(argv=None):
         ap.error(f"--rounds {args.rounds}: time at least one round (7 or more for a table)")
     if args.seq_len < 1:
         ap.error(f"--seq-len {args.seq_len}: give a positive number of tokens per sequence")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench.moe_block needs a CUDA GPU (or --device cpu for a smoke test)")
+    cuda_or_exit(args.device, "bench.moe_block")
     run_block(select_configs(args.configs, args.shape, TABLE_9B_NAMES), args)
 
 

@@ -30,7 +30,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from bench.common import bench_ms, held_bytes, rel_err, result_path, table, write_json
+from bench.common import bench_ms, cuda_or_exit, held_bytes, rel_err, result_path, table, write_json
 from bench.moe_configs import CONFIGS, OFFICIAL_H100, select_configs
 from sonic.kernels import BACKENDS, reference
 from sonic.routing.plan import plan_from_topk
@@ -333,8 +333,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.block:
         ap.error("the block benchmark is its own module now: python -m bench.moe_block (same options)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench.moe_layer needs a CUDA GPU (or --device cpu for a smoke test)")
+    cuda_or_exit(args.device, "bench.moe_layer")
     configs = select_configs(args.configs, args.shape, list(CONFIGS))
     backends = backend_names(args.backends, args.device)
     if args.autotune and "triton" in backends:

@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from bench.common import median_ms, result_path, write_json
+from bench.common import cuda_or_exit, kernel_times, median_ms, profiled, result_path, write_json
 from sonic.models import flops_per_token
 from sonic.models.presets import load_preset
 from sonic.models.moe import MoE
@@ -46,9 +46,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script (timings meaningless)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("bench.train_step needs a CUDA GPU (or --device cpu for a smoke test)")
+    cuda = cuda_or_exit(args.device, "bench.train_step")
     B, S = (int(v) for v in args.batch.split("x"))
     impls = args.optimizers.split(",")
     if not impls or any(i not in OPTIMIZERS for i in impls):
@@ -112,16 +110,8 @@ def main(argv=None):
         print(f"  step with {impl:>7} AdamW: {v:8.2f} ms = {tps / 1e3:.1f}k tokens/s, "
               f"{tps * fpt / 1e12:.0f} TFLOP/s by our FLOPs/token")
 
-    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
-
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        fwd_bwd()
-        clip_and_step(optimizers[impls[0]])
-        if cuda:
-            torch.cuda.synchronize()
-    spent = (lambda e: e.device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
-    kernels = sorted(((e.key, spent(e) / 1e3, e.count) for e in prof.key_averages() if spent(e) > 0),
-                     key=lambda k: -k[1])
+    _, prof = profiled(lambda: (fwd_bwd(), clip_and_step(optimizers[impls[0]])), cuda)
+    kernels = kernel_times(prof, cuda)
     total = sum(k[1] for k in kernels)
     print(f"\n{'CUDA' if cuda else 'CPU'} time by {'kernel' if cuda else 'operator'}, one step ({total:.1f} ms in all):")
     for name, t, n in kernels[:args.top]:
