@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sonic.routing.backends import ROUTING_BACKENDS, ROUTING_METHODS
+from sonic.routing.balance import BALANCES
 from sonic.routing.scores import CENTRINGS
 
 ORDERS = ("topk_softmax", "softmax_topk")
@@ -34,6 +35,12 @@ class RoutingConfig:
     # none: logits from the hidden state x (as Hugging Face OLMoE / Qwen3-MoE) | prefix: from x minus the mean of
     # the earlier positions of its sequence, at unit RMS (keeps deep routers balanced; sonic/routing/scores.py)
     input_centring: str = "none"
+    # none: top-K of logits + expert bias | sinkhorn: plus a per-expert offset solved on this batch's logits by
+    # balance_iters Sinkhorn steps at balance_temperature times the logits' token spread, so the batch's picks
+    # spread over the experts (sonic/routing/balance.py)
+    balance: str = "none"
+    balance_iters: int = 4
+    balance_temperature: float = 0.3
 
     def __post_init__(self):
         ROUTING_BACKENDS.check(self.backend, ("auto",))
@@ -42,6 +49,7 @@ class RoutingConfig:
                                       ("rounding_mode", self.rounding_mode, ROUNDING_MODES),
                                       ("aux_loss_scope", self.aux_loss_scope, AUX_SCOPES),
                                       ("input_centring", self.input_centring, CENTRINGS),
+                                      ("balance", self.balance, BALANCES),
                                       ("bias_update_rule", self.bias_update_rule, BIAS_RULES)):
             if value not in allowed:
                 raise ValueError(f"routing.{field}={value!r} is not one of {', '.join(allowed)}")
@@ -57,6 +65,14 @@ class RoutingConfig:
         for name in ("aux_loss_coef", "z_loss_coef", "seq_aux_loss_coef", "bias_update_rate"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"routing.{name}={getattr(self, name)} must be >= 0")
+        if isinstance(self.balance_iters, bool) or not isinstance(self.balance_iters, int) or self.balance_iters < 1:
+            raise ValueError(f"routing.balance_iters={self.balance_iters!r} must be an integer >= 1")
+        if not self.balance_temperature > 0:  # also rejects NaN
+            raise ValueError(f"routing.balance_temperature={self.balance_temperature} must be > 0 (0.3: near the "
+                             "hard assignment; larger: softer, closer to removing each expert's mean logit)")
+        if self.method == "expert_choice" and self.balance != "none":
+            raise ValueError("routing.balance has no use with method=expert_choice, where every expert already "
+                             "takes the same number of tokens; set routing.balance=none")
         if self.method == "expert_choice" and self.bias_update_rate > 0:
             raise ValueError("routing.bias_update_rate > 0 has no use with method=expert_choice, where every "
                              "expert already takes the same number of tokens; set it to 0")

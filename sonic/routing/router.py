@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from sonic import compat
 from sonic.routing.backends import ROUTING_METHODS, routing_backend
+from sonic.routing.balance import OFFSETS
 from sonic.routing.config import RoutingConfig
 from sonic.routing.losses import sequence_aux_loss, switch_aux_loss, z_loss
 from sonic.routing.token_rounding import group_sum
@@ -73,6 +74,7 @@ class Router(nn.Module):
         self.stats_group = None  # process group whose picks the aux loss counts (None: this process)
         self.ep_group = None  # expert-parallel group: token rounding rounds its summed counts
         self.scores = build_scores(cfg.input_centring)  # x -> logits (sonic/routing/scores.py)
+        self._offset = OFFSETS[cfg.balance]  # (logits, expert bias) -> the selection's bias (sonic/routing/balance.py)
 
     def backend(self, device: torch.device):
         """The routing backend module on `device`. Resolved outside torch.compile where possible (the
@@ -87,6 +89,10 @@ class Router(nn.Module):
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = self.scores(x_TD, self.weight_ED.to(x_TD.dtype), seq_len, self.backend(x_TD.device))
         return self.route(logits_TE, seq_len)
+
+    def selection_bias(self, logits_TE: Tensor) -> Tensor:
+        """What the top-K selection adds to logits_TE: the expert bias, plus routing.balance's offset."""
+        return self._offset(logits_TE, self.expert_bias_E, self.cfg.balance_iters, self.cfg.balance_temperature)
 
     def route(self, logits_TE: Tensor, seq_len: int | None = None) -> RouterOutput:
         """Everything after the linear layer: selection, gates, plan, losses (in fp32 from any logits dtype).

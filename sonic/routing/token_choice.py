@@ -71,11 +71,12 @@ def count_per_expert(expert_idx: Tensor, num_experts: int) -> Tensor:
 def topk_method(router, logits_TE: Tensor, backend) -> tuple[TopK, RoutingPlan, Tensor]:
     """routing.method=topk: the top-K picks and their plan (one call: the fused backend builds both in one
     op), whose counts are the plan's."""
-    topk, plan = backend.route_topk(logits_TE, router.expert_bias_E, router.top_k, router.cfg.order,
+    topk, plan = backend.route_topk(logits_TE, router.selection_bias(logits_TE), router.top_k, router.cfg.order,
                                     router.cfg.renormalize)
     return topk, plan, plan.counts_E()
 
 
 def select(router, logits_TE: Tensor, backend) -> TopK:
     """The router's top-K selection (expert bias, gate order) on `backend`, for the methods beyond top-K."""
-    return backend.select_topk(logits_TE, router.expert_bias_E, router.top_k, router.cfg.order, router.cfg.renormalize)
+    return backend.select_topk(logits_TE, router.selection_bias(logits_TE), router.top_k, router.cfg.order,
+                               router.cfg.renormalize)

@@ -21,6 +21,12 @@ from sonic.routing import Router, RoutingConfig
     (dict(bias_update_rate=-1e-3), "routing.bias_update_rate"),
     (dict(method="expert_choice", bias_update_rate=1e-3), "routing.bias_update_rate"),
     (dict(input_centring="mean"), "routing.input_centring"),
+    (dict(balance="sinkorn"), "routing.balance"),
+    (dict(balance_iters=0), "routing.balance_iters"),
+    (dict(balance_iters=2.0), "routing.balance_iters"),
+    (dict(balance_temperature=0.0), "routing.balance_temperature"),
+    (dict(balance_temperature=float("nan")), "routing.balance_temperature"),
+    (dict(method="expert_choice", balance="sinkhorn"), "routing.balance"),
 ])
 def test_invalid_field_names_itself(kwargs, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -31,6 +37,7 @@ def test_valid_combinations_pass():
     RoutingConfig(order="softmax_topk", renormalize=True)
     RoutingConfig(method="token_rounding", rounding_mode="balance", tile_size=64, bias_update_rate=1e-3)
     RoutingConfig(method="expert_choice", capacity_factor=1.25)
+    RoutingConfig(method="token_rounding", balance="sinkhorn", balance_iters=8, balance_temperature=1.0)
 
 
 @pytest.mark.parametrize("top_k", [0, 9])
