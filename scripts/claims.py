@@ -280,6 +280,13 @@ class Table:
     caption: str = ""  # one line above the table (no figures: those belong in cells)
 
 
+ROUTING_COLUMNS = (Field("worst max/mean, steps 30-100", "summary.worst_max_over_mean_from_step_30", digits=2),
+                   Field("worst max/mean, step 100", "summary.worst_max_over_mean_at_last_step", digits=2),
+                   Field("layers over 2×, step 100", "summary.layers_over_2x_at_last_step", digits=0),
+                   Field("loss, step 100", "summary.loss_at_last_step", digits=2),
+                   Field("k tokens/s", "summary.tokens_per_s_per_gpu", 1e-3, missing="–"))
+
+
 def e2e(label: str, file: str, run: str) -> Row:
     return Row(label, f"bench/results/{file}", {"run": run})
 
@@ -404,11 +411,19 @@ TABLES = (
                   ("the same, token rounding", "16L-token_rounding-prefix_project"))) + (
               Row("16 layers, the centring and unit rescale applied twice (dropped)",
                   "bench/results/2026-11-24-h100-routing_health-16L-topk-prefix_twice.json"),),
-          columns=(Field("worst max/mean, steps 30-100", "summary.worst_max_over_mean_from_step_30", digits=2),
-                   Field("worst max/mean, step 100", "summary.worst_max_over_mean_at_last_step", digits=2),
-                   Field("layers over 2×, step 100", "summary.layers_over_2x_at_last_step", digits=0),
-                   Field("loss, step 100", "summary.loss_at_last_step", digits=2),
-                   Field("k tokens/s", "summary.tokens_per_s_per_gpu", 1e-3, missing="–"))),
+          columns=ROUTING_COLUMNS),
+    Table("routing_balance", first="run", caption="The same runs with `routing.balance=sinkhorn` (a per-expert "
+          "selection offset solved on each batch), on one H200; the first three rows ran one after another in one "
+          "call, the fourth in the next, on a fresh machine; the last row is the centred 40-layer run above "
+          "(an earlier commit).",
+          rows=tuple(Row(label, f"bench/results/2026-11-2{file}.json") for label, file in (
+              ("16 layers, input centred, balance none (today's preset)",
+               "5-h200-routing_health-16L-topk-prefix-balancenone"),
+              ("16 layers, input centred, Sinkhorn balance", "5-h200-routing_health-16L-topk-prefix-balancesinkhorn"),
+              ("16 layers, router reads x, Sinkhorn balance", "5-h200-routing_health-16L-topk-none-balancesinkhorn"),
+              ("40 layers, router reads x, Sinkhorn balance", "5-h200-routing_health-40L-topk-none-balancesinkhorn"),
+              ("40 layers, input centred, balance none (earlier commit)", "4-h200-routing_health-40L-prefix"))),
+          columns=ROUTING_COLUMNS),
     Table("block_h200", first="config, backend", caption="The MoE block as `sonic_7b` builds it (router with "
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
           "sonic-moe 0.1.2.post1 layer (router included), one H200, one process, seven interleaved rounds "

@@ -13,11 +13,13 @@ Why (docs/routing.md, section 3): at the recipe's peak learning rate the deep ro
 their logits, and that part moves from step to step, so the expert bias, which follows the load of past steps
 at 0.01 a step, and the aux loss both trail it: whole layers send most tokens to the same experts. An offset
 solved on this batch removes whatever the batch's tokens share, however fast it moves, before any token picks.
+Measured on sonic_7b (docs/routing.md, section 3) it spreads the load but costs loss, so no preset turns it on.
 
 It is computed without gradient in fp32 (the selection is not differentiable anyway), per process over its own
 tokens. A token's picks then depend on the other tokens of its batch, as under token rounding or expert choice;
 through E numbers per layer, so the future of its own sequence says next to nothing to it. Evaluation routes
-the same way, over its own batch.
+the same way, over its own batch. The soft assignment lets a token put more than one pick's mass on one
+expert, which hard top-K cannot: the picks balance less closely than the soft columns.
 """
 from __future__ import annotations
 
@@ -41,9 +43,10 @@ def sinkhorn_offset(logits_TE: Tensor, bias_E: Tensor, iters: int, temperature: 
     logits alike, so only g_E changes which experts a token picks.
 
     tau is `temperature` times the spread of the tokens' own parts of the logits (their std once each token's
-    mean over the experts and each expert's mean over the batch are removed). At tau much above that spread the soft columns balance as soon as each
-    expert's mean logit is removed, while the picks, which read the order within each row, stay skewed (most
-    tokens lean one way: docs/routing.md, section 3); near it the soft assignment approaches the hard one."""
+    mean over the experts and each expert's mean over the batch are removed). At tau much above that spread the
+    soft columns balance as soon as each expert's mean logit is removed, while the picks, which read the order
+    within each row, stay skewed (most tokens lean one way: docs/routing.md, section 3); near it the soft
+    assignment approaches the hard one."""
     select_TE = logits_TE.detach().float() + bias_E.float()
     T, E = select_TE.shape
     if T == 0:

@@ -77,17 +77,17 @@ def test_deep_model_routing_stays_balanced_at_a_high_constant_learning_rate(tmp_
 
 
 FINE_LAYERS = 16
-# the same, deeper and finer-grained (E/K 16, as sonic_7b's): the prefix centring alone no longer holds it
+# the same, deeper and finer-grained (E/K 16, as sonic_7b's), with routing.balance=sinkhorn
 FINE = [*PEAK_LR, f"model.num_layers={FINE_LAYERS}", "model.moe.num_experts=64", "model.moe.top_k=4",
-        "model.moe.expert_dim=16"]
+        "model.moe.expert_dim=16", "model.moe.routing.balance=sinkhorn"]
 
 
 @pytest.mark.slow
-def test_fine_grained_deep_routing_stays_balanced_at_a_high_constant_learning_rate(tmp_path, local_text):
+def test_sinkhorn_balance_holds_a_fine_grained_deep_router_at_a_high_constant_learning_rate(tmp_path, local_text):
     """At E/K = 16 the tokens of a batch still share part of their centred router logits, a part that moves
-    from step to step, so the expert bias trails it (docs/routing.md, section 3). sonic_7b's preset with
-    routing.balance=none: the worst layer reaches 5.2 by step 8 and passes 3 at most steps (median 3.2).
-    routing.balance=sinkhorn solves each expert's offset on the batch: at most 2.1 at any step."""
+    from step to step, so the expert bias trails it (docs/routing.md, section 3): with sonic_7b's preset as it
+    is (routing.balance=none) the worst layer reaches 4.2 here and passes 3 at most steps. routing.balance=sinkhorn
+    solves each expert's offset on the batch: at most 2.1 at any step."""
     corpus, tokenizer = local_text
     history = train(compose_config(*FINE, f"data.paths=[{corpus}]", f"data.tokenizer={tokenizer}",
                                    f"train.run_dir={tmp_path}"))
