@@ -58,9 +58,8 @@ def test_the_offset_changes_the_selection_only():
     out = router(x_TE)
     plan = out.plan
     logits_TE = x_TE.float()
-    picked_TK = plan.expert_idx_R.view(-1)
     by_token = {}
-    for t, e, s in zip(plan.token_idx_R.tolist(), picked_TK.tolist(), plan.scores_R.tolist()):
+    for t, e, s in zip(plan.token_idx_R.tolist(), plan.expert_idx_R.tolist(), plan.scores_R.tolist()):
         by_token.setdefault(t, {})[e] = s
     for t in (0, 17, T - 1):
         picks = sorted(by_token[t])
