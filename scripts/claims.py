@@ -417,15 +417,18 @@ TABLES = (
           columns=ROUTING_COLUMNS),
     Table("routing_balance", first="run", caption="The same runs with `routing.balance=sinkhorn` (a per-expert "
           "selection offset solved on each batch), on one H200; the first three rows ran one after another in one "
-          "call, the fourth in the next, on a fresh machine; the last row is the centred 40-layer run above "
-          "(an earlier commit).",
+          "call, the fourth in the next, on a fresh machine, the last two together in a later call (the same "
+          "sonic/ tree).",
           rows=tuple(Row(label, f"bench/results/2026-11-2{file}.json") for label, file in (
               ("16 layers, input centred, balance none (today's preset)",
                "5-h200-routing_health-16L-topk-prefix-balancenone"),
               ("16 layers, input centred, Sinkhorn balance", "5-h200-routing_health-16L-topk-prefix-balancesinkhorn"),
               ("16 layers, router reads x, Sinkhorn balance", "5-h200-routing_health-16L-topk-none-balancesinkhorn"),
               ("40 layers, router reads x, Sinkhorn balance", "5-h200-routing_health-40L-topk-none-balancesinkhorn"),
-              ("40 layers, input centred, balance none (earlier commit)", "4-h200-routing_health-40L-prefix"))),
+              ("40 layers, input centred, balance none (today's preset)",
+               "5-h200-routing_health-40L-topk-prefix-balancenone"),
+              ("40 layers, input centred, Sinkhorn balance",
+               "5-h200-routing_health-40L-topk-prefix-balancesinkhorn"))),
           columns=ROUTING_COLUMNS),
     Table("block_h200", first="config, backend", caption="The MoE block as `sonic_7b` builds it (router with "
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
