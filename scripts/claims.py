@@ -291,6 +291,14 @@ def e2e(label: str, file: str, run: str) -> Row:
     return Row(label, f"bench/results/{file}", {"run": run})
 
 
+def tr_jobs(label: str, cute_file: str, triton_file: str) -> tuple[Row, ...]:
+    """A cute job's top-K and token-rounding rows, then the same two from the triton job beside it."""
+    return (e2e(label, cute_file, "cute_40L"),
+            e2e("the same job, `routing=token_rounding`", cute_file, "cute_token_rounding_40L"),
+            e2e("the same two on triton: top-K", triton_file, "triton_40L"),
+            e2e("triton, `routing=token_rounding`", triton_file, "triton_token_rounding_40L"))
+
+
 E2E_40L, E2E_40L_MB8 = "2026-11-23-2xh200-e2e-40L.json", "2026-11-23-2xh200-e2e-40L-mb8-noreshard.json"
 E2E_1X = "2026-11-24-1xh200-e2e-40L.json"
 E2E_1X_CENTRING, E2E_1X_TR = "2026-11-24-1xh200-e2e-40L-centring.json", "2026-11-24-1xh200-e2e-40L-tr.json"
@@ -346,31 +354,16 @@ TABLES = (
                   E2E_1X_TR_PADDED, "cute_40L"),
               e2e("the same job, `routing=token_rounding` (its selection still breaks the compiled graph)",
                   E2E_1X_TR_PADDED, "cute_token_rounding_40L"),
-              e2e("recipe, one GPU, cute, top-K (token rounding's selection one custom op: one graph)", E2E_1X_TR_OP,
-                  "cute_40L"),
-              e2e("the same job, `routing=token_rounding`", E2E_1X_TR_OP, "cute_token_rounding_40L"),
-              e2e("the same two on triton: top-K", E2E_1X_TR_OP_TRITON, "triton_40L"),
-              e2e("triton, `routing=token_rounding`", E2E_1X_TR_OP_TRITON, "triton_token_rounding_40L"),
-              e2e("recipe, one GPU, cute, top-K (token rounding's selection replayed as a CUDA graph)",
-                  E2E_1X_TR_GRAPH, "cute_40L"),
-              e2e("the same job, `routing=token_rounding`", E2E_1X_TR_GRAPH, "cute_token_rounding_40L"),
-              e2e("the same two on triton: top-K", E2E_1X_TR_GRAPH_TRITON, "triton_40L"),
-              e2e("triton, `routing=token_rounding`", E2E_1X_TR_GRAPH_TRITON, "triton_token_rounding_40L"),
-              e2e("recipe, one GPU, cute, top-K (token rounding's selection in Triton kernels, eager)",
-                  E2E_1X_TR_EAGER, "cute_40L"),
-              e2e("the same job, `routing=token_rounding`", E2E_1X_TR_EAGER, "cute_token_rounding_40L"),
-              e2e("the same two on triton: top-K", E2E_1X_TR_EAGER_TRITON, "triton_40L"),
-              e2e("triton, `routing=token_rounding`", E2E_1X_TR_EAGER_TRITON, "triton_token_rounding_40L"),
-              e2e("recipe, one GPU, cute, top-K (the Triton selection replayed as a CUDA graph)",
-                  E2E_1X_TR_FUSED, "cute_40L"),
-              e2e("the same job, `routing=token_rounding`", E2E_1X_TR_FUSED, "cute_token_rounding_40L"),
-              e2e("the same two on triton: top-K", E2E_1X_TR_FUSED_TRITON, "triton_40L"),
-              e2e("triton, `routing=token_rounding`", E2E_1X_TR_FUSED_TRITON, "triton_token_rounding_40L"),
-              e2e("recipe, one GPU, cute, top-K (AdamW in one Triton pass with the clip in it; the head's gradient "
-                  "summed in the GEMM)", E2E_1X_ADAMW, "cute_40L"),
-              e2e("the same job, `routing=token_rounding`", E2E_1X_ADAMW, "cute_token_rounding_40L"),
-              e2e("the same two on triton: top-K", E2E_1X_ADAMW_TRITON, "triton_40L"),
-              e2e("triton, `routing=token_rounding`", E2E_1X_ADAMW_TRITON, "triton_token_rounding_40L"),
+              *tr_jobs("recipe, one GPU, cute, top-K (token rounding's selection one custom op: one graph)",
+                       E2E_1X_TR_OP, E2E_1X_TR_OP_TRITON),
+              *tr_jobs("recipe, one GPU, cute, top-K (token rounding's selection replayed as a CUDA graph)",
+                       E2E_1X_TR_GRAPH, E2E_1X_TR_GRAPH_TRITON),
+              *tr_jobs("recipe, one GPU, cute, top-K (token rounding's selection in Triton kernels, eager)",
+                       E2E_1X_TR_EAGER, E2E_1X_TR_EAGER_TRITON),
+              *tr_jobs("recipe, one GPU, cute, top-K (the Triton selection replayed as a CUDA graph)",
+                       E2E_1X_TR_FUSED, E2E_1X_TR_FUSED_TRITON),
+              *tr_jobs("recipe, one GPU, cute, top-K (AdamW in one Triton pass with the clip in it; the head's "
+                       "gradient summed in the GEMM)", E2E_1X_ADAMW, E2E_1X_ADAMW_TRITON),
               e2e("recipe, one GPU, triton, top-K (the loss's CE in one Triton program per row)", E2E_1X_CE_TRITON,
                   "triton_40L"),
               e2e("the same job, `routing=token_rounding`", E2E_1X_CE_TRITON, "triton_token_rounding_40L"),
