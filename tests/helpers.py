@@ -42,9 +42,27 @@ def spawn_ranks(worker, args: tuple, nprocs: int, timeout_s: float, what: str) -
 
 
 def patch_triton_interpreter() -> None:
-    """Let Triton's CPU interpreter (TRITON_INTERPRET=1) take int() of 1-element arrays under numpy >= 2.4."""
+    """Let Triton's CPU interpreter (TRITON_INTERPRET=1) take int() of 1-element arrays under numpy >= 2.4, and
+    multiply bf16 operands in tl.dot as numbers (it keeps bf16 as raw 16-bit integers, which np.matmul multiplied
+    as integers)."""
     import numpy as np
+    import triton.language as tl
     import triton.runtime.interpreter as interp
+
+    builder = type(interp.interpreter_builder)
+    if not getattr(builder.create_dot, "_sonic_bf16", False):
+        orig_dot = builder.create_dot
+
+        def as_fp32(h):
+            if h.dtype.scalar == tl.bfloat16:  # the bits of an fp32 with its low half zeroed
+                return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+            return h
+
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            return orig_dot(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
+
+        create_dot._sonic_bf16 = True
+        builder.create_dot = create_dot
 
     if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
         orig = interp._patch_lang_tensor

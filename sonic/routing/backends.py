@@ -15,8 +15,8 @@ Routing backends:
 A backend module exposes `select_topk(logits_TE, bias_E, k, order, renormalize) -> TopK`,
 `route_topk(...same...) -> (TopK, RoutingPlan)` (the selection and the plan of its picks, which the
 fused backend builds in one op), `token_rounding_rows(probs_TE, expert_idx_TK, gates_TK, residual_E, tile,
-mode, rows)` (token rounding's selection, sonic/routing/token_rounding.py), `prefix_centre` and
-`prefix_centre_backward` (routing.input_centring=prefix, sonic/routing/scores.py) and
+mode, rows)` (token rounding's selection, sonic/routing/token_rounding.py), `prefix_centred_logits` and
+`prefix_centred_logits_backward` (routing.input_centring=prefix, sonic/routing/scores.py) and
 `unavailable_reason(device) -> str | None`, with identical results (ties included; the centring's sums to fp32
 rounding).
 """

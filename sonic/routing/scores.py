@@ -44,7 +44,7 @@ class PrefixCentredScores(nn.Module):
 
     def forward(self, x_TD: Tensor, weight_ED: Tensor, seq_len: int | None = None, ops=None) -> Tensor:
         """seq_len: the length S of the sequences x_TD holds, in order (None: one sequence of T). ops: the routing
-        backend module whose prefix_centre[_backward] run the scan (None: this module's, the definition)."""
+        backend module whose prefix_centred_logits[_backward] compute it (None: this module's, the definition)."""
         T, _ = x_TD.shape
         S = T if seq_len is None else seq_len
         assert S > 0 and T % S == 0, (T, S)
@@ -52,14 +52,12 @@ class PrefixCentredScores(nn.Module):
 
 
 # logits = (W c) * rstd, rstd = rsqrt(mean(c^2) + EPS), c = prefix_centre(x), as one op with its own backward op,
-# which recomputes c and W c: autograd through the plain ops would keep c, one more T x D tensor per layer, and so
-# would torch.compile's partitioner with the recompute in view (it merges it with the forward's and saves the
-# result). Saved: x (which the experts keep anyway: the same storage), W and rstd.
+# both run by the routing backend's prefix_centred_logits[_backward]: autograd through plain ops would keep c, one
+# more T x D tensor per layer (and so would torch.compile's partitioner). Saved: x (which the experts keep anyway:
+# the same storage), W, rstd and the logits (which the selection keeps: the same storage again).
 @torch.library.custom_op("sonic::prefix_centred_logits", mutates_args=())
 def _centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
-    c_TD, mean_square_T = importlib.import_module(ops).prefix_centre(x_TD, seq_len)
-    rstd_T = torch.rsqrt(mean_square_T + EPS)
-    return F.linear(c_TD, weight_ED).to(rstd_T.dtype) * rstd_T.unsqueeze(-1), rstd_T
+    return importlib.import_module(ops).prefix_centred_logits(x_TD, weight_ED, seq_len)
 
 
 @_centred_logits.register_fake
@@ -69,40 +67,57 @@ def _(x_TD, weight_ED, seq_len, ops):
 
 
 @torch.library.custom_op("sonic::prefix_centred_logits_backward", mutates_args=())
-def _centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor, rstd_T: Tensor, seq_len: int,
-                             ops: str) -> tuple[Tensor, Tensor]:
-    ops_module = importlib.import_module(ops)
-    c_TD, _ = ops_module.prefix_centre(x_TD, seq_len)
-    z_TE = F.linear(c_TD, weight_ED)  # as the forward computed it: the same GEMM on the same inputs
-    dz_TE = (dlogits_TE * rstd_T.unsqueeze(-1)).to(z_TE.dtype)
-    # d rstd = <dlogits, W c>; rstd = (ms + EPS)^-1/2 and ms = |c|^2 / D, so dc gains (2/D) d ms * c
-    drstd_T = (dlogits_TE * z_TE.to(dlogits_TE.dtype)).sum(-1)
-    alpha_T = drstd_T * rstd_T.pow(3) * (-1.0 / x_TD.shape[1])
-    dx_TD = ops_module.prefix_centre_backward(dz_TE @ weight_ED, c_TD, alpha_T, seq_len)
-    return dx_TD, dz_TE.t() @ c_TD
+def _centred_logits_backward(dlogits_TE: Tensor, logits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor, rstd_T: Tensor,
+                             seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
+    return importlib.import_module(ops).prefix_centred_logits_backward(dlogits_TE, logits_TE, x_TD, weight_ED,
+                                                                       rstd_T, seq_len)
 
 
 @_centred_logits_backward.register_fake
-def _(dlogits_TE, x_TD, weight_ED, rstd_T, seq_len, ops):
+def _(dlogits_TE, logits_TE, x_TD, weight_ED, rstd_T, seq_len, ops):
     return torch.empty_like(x_TD), torch.empty_like(weight_ED)
 
 
 def _setup(ctx, inputs, output):
     x_TD, weight_ED, seq_len, ops = inputs
-    _, rstd_T = output
-    ctx.save_for_backward(x_TD, weight_ED, rstd_T)
+    logits_TE, rstd_T = output
+    ctx.save_for_backward(x_TD, weight_ED, rstd_T, logits_TE)
     ctx.seq_len, ctx.ops = seq_len, ops
     ctx.mark_non_differentiable(rstd_T)
 
 
 def _backward(ctx, dlogits_TE, _drstd):
-    x_TD, weight_ED, rstd_T = ctx.saved_tensors
-    dx_TD, dweight_ED = _centred_logits_backward(dlogits_TE.contiguous(), x_TD, weight_ED, rstd_T, ctx.seq_len,
-                                                 ctx.ops)
+    x_TD, weight_ED, rstd_T, logits_TE = ctx.saved_tensors
+    dx_TD, dweight_ED = _centred_logits_backward(dlogits_TE.contiguous(), logits_TE, x_TD, weight_ED, rstd_T,
+                                                 ctx.seq_len, ctx.ops)
     return dx_TD, dweight_ED, None, None
 
 
 _centred_logits.register_autograd(_backward, setup_context=_setup)
+
+
+def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """(logits_TE, rstd_T): logits = (W c) * rstd with c = prefix_centre(x) (rounded to x's dtype), W c summed
+    and everything after it in fp32 or wider: the definition, which the fused backends match."""
+    c_TD, mean_square_T = prefix_centre(x_TD, seq_len)
+    rstd_T = torch.rsqrt(mean_square_T + EPS)
+    acc = rstd_T.dtype
+    return F.linear(c_TD.to(acc), weight_ED.to(acc)) * rstd_T.unsqueeze(-1), rstd_T
+
+
+def prefix_centred_logits_backward(dlogits_TE: Tensor, logits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor,
+                                   rstd_T: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """(dx_TD, dweight_ED) of prefix_centred_logits: the gradient on c is g = W^T dz + alpha c, with
+    dz = dlogits * rstd and alpha c the rms's part, and dx = prefix_centre_backward(g)."""
+    acc = rstd_T.dtype
+    c_TD = prefix_centre(x_TD, seq_len)[0].to(acc)
+    dlogits_TE = dlogits_TE.to(acc)
+    dz_TE = dlogits_TE * rstd_T.unsqueeze(-1)
+    # d rstd = <dlogits, W c> = <dlogits, logits> / rstd; rstd = (ms + EPS)^-1/2 and ms = |c|^2 / D
+    drstd_T = (dlogits_TE * logits_TE).sum(-1) / rstd_T
+    alpha_T = drstd_T * rstd_T.pow(3) * (-1.0 / x_TD.shape[1])
+    dx_TD = prefix_centre_backward(dz_TE @ weight_ED.to(acc), c_TD, alpha_T, seq_len)
+    return dx_TD.to(x_TD.dtype), (dz_TE.t() @ c_TD).to(weight_ED.dtype)
 
 
 def _counts(S: int, dtype: torch.dtype, device: torch.device) -> Tensor:

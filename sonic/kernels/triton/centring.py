@@ -1,14 +1,22 @@
-"""The router input's prefix centring (routing.input_centring=prefix) for the triton routing backend: the
-scan of sonic/routing/scores.py's prefix_centre and prefix_centre_backward, which define the semantics.
+"""The router's prefix-centred logits (routing.input_centring=prefix) for the triton routing backend:
+sonic/routing/scores.py's prefix_centred_logits[_backward], which define the semantics, fused so that the
+centred input c never reaches memory.
 
-Both are two passes over (sequence, chunk of BS positions, block of BD features) tiles, all in parallel:
-  1. per tile, the sum over its positions (fp32), then a scan over the chunks of each sequence (a tiny
-     torch cumsum over B x chunks x D) gives each tile the sum over the earlier (or later) chunks;
-  2. per tile, a cumsum over its positions plus that carry: the forward writes c in x's dtype and each
-     row's sum of c^2 over its BD features (summed over the blocks in a fixed order: deterministic, no
-     atomics); the backward writes dx from the gradient on c.
-The forward reads x twice and writes c; the backward reads (dc, c) twice and writes dx. Nothing depends on
-the routing, and the launch configuration is fixed: no autotuning.
+c_t = x_t - M_t / n_t, with M_t the sum of the sequence's positions before t and n_t = max(t, 1), rounded to x's
+dtype; logits_t = (W c_t) * rstd_t, rstd_t = rsqrt(mean(c_t^2) + EPS).
+
+A tile is (sequence, chunk of BS positions) and loops over the features in blocks of BD. A block's M comes
+from the earlier chunks' sums (_chunk_sums_kernel, then _scan_kernel over the chunks) plus a cumsum inside
+the tile.
+  forward   chunk sums of x, scan; per tile: c, sum of c^2 and W c (tensor cores), then the logits.
+  backward  with dz = dlogits * rstd and alpha = -<dlogits, W c> rstd^3 / D (the rms's part), the gradient on
+            c is W^T dz + alpha c and dx = P^T of it, where (P^T g)_s = g_s - sum_{t>s} g_t / n_t. As
+            P^T W^T dz = (P^T dz) W, only alpha c needs a scan over D; q = P^T dz is T x E, and dW = q^T x.
+            Chunk sums of x, scan; per tile, the chunk sums of dz / n and alpha c / n, reverse scans; per
+            tile, q and dx = q W + alpha c - (the later positions' alpha c / n); then dW = q^T x (one GEMM).
+x is read twice forward and three times backward (with the GEMM), where materialising c and dc read and
+wrote eleven T x D tensors. Sums are fp32 in a fixed order (no atomics): deterministic. The launch
+configuration depends only on E: no autotuning.
 """
 from __future__ import annotations
 
@@ -19,7 +27,8 @@ from torch import Tensor
 
 from sonic.routing import scores
 
-BS, BD = 64, 64  # positions x features per tile: 128-byte rows of bf16
+BD = 64  # features per block: 128-byte rows of bf16
+BC = 32  # chunks per step of the scan
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -27,118 +36,150 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _tiles(E: int) -> dict:
+    """Positions per tile: the tile's (BS, E) fp32 accumulator stays at 8192 values or under."""
+    be = max(16, triton.next_power_of_2(E))
+    return dict(BS=max(16, min(64, 4096 // be)), BE=be, num_warps=4 if be <= 256 else 8)
+
+
 @triton.jit
-def _tile(ptr, seq, chunk, dblk, S, D, BS: tl.constexpr, BD: tl.constexpr):
-    """Offsets and mask of one (sequence, chunk, feature block) tile of a (B*S, D) row-major tensor, and its
-    positions within the sequence."""
+def _positions(seq, chunk, S, BS: tl.constexpr):
+    """The tile's positions within the sequence, their rows of the (B*S, .) tensors, and n = max(s, 1)."""
     s = chunk * BS + tl.arange(0, BS)
-    d = dblk * BD + tl.arange(0, BD)
-    mask = (s < S)[:, None] & (d < D)[None, :]
-    rows = seq.to(tl.int64) * S + s
-    return ptr + rows[:, None] * D + d[None, :], mask, s, rows
+    return s, seq.to(tl.int64) * S + s, s < S, tl.maximum(s, 1).to(tl.float32)
 
 
 @triton.jit
-def _gradient(dc_ptr, c_ptr, alpha_ptr, seq, chunk, dblk, S, D, BS: tl.constexpr, BD: tl.constexpr):
-    """The tile's total gradient on c, g = dc + alpha * c, divided by each position's count (g_t / t)."""
-    dc, mask, s, rows = _tile(dc_ptr, seq, chunk, dblk, S, D, BS, BD)
-    c, _, _, _ = _tile(c_ptr, seq, chunk, dblk, S, D, BS, BD)
-    alpha = tl.load(alpha_ptr + rows, mask=s < S, other=0.0)
-    g = tl.load(dc, mask=mask, other=0.0).to(tl.float32) + alpha[:, None] * tl.load(c, mask=mask, other=0.0).to(
-        tl.float32)
-    return g, g / tl.maximum(s, 1).to(tl.float32)[:, None], mask
+def _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BD: tl.constexpr):
+    """c of one (positions, feature block) tile, in x's dtype, and its block of features."""
+    d = d0 + tl.arange(0, BD)
+    dm = d < D
+    x = tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+    carry = tl.load(earlier_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, mask=dm, other=0.0)
+    c = x - (carry[None, :] + tl.cumsum(x, axis=0) - x) / n[:, None]
+    return c.to(x_ptr.dtype.element_ty), d, dm
 
 
 @triton.jit
 def _chunk_sums_kernel(x_ptr, sums_ptr, S, D, NC, BS: tl.constexpr, BD: tl.constexpr):
     """sums[seq, chunk, d] = sum of x over the chunk's positions."""
     seq, chunk, dblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    ptrs, mask, _, _ = _tile(x_ptr, seq, chunk, dblk, S, D, BS, BD)
+    _, rows, sm, _ = _positions(seq, chunk, S, BS)
     d = dblk * BD + tl.arange(0, BD)
-    total = tl.sum(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), axis=0)
-    tl.store(sums_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, total, mask=d < D)
+    x = tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=sm[:, None] & (d < D)[None, :], other=0.0)
+    tl.store(sums_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, tl.sum(x.to(tl.float32), axis=0), mask=d < D)
 
 
 @triton.jit
-def _centre_kernel(x_ptr, earlier_ptr, c_ptr, sumsq_ptr, S, D, NC, ND, BS: tl.constexpr, BD: tl.constexpr):
-    """c = x - (earlier chunks' sum + this chunk's sum before the position) / count, and sum over the block of
-    c^2 (of c rounded to its dtype) per row."""
-    seq, chunk, dblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    ptrs, mask, s, rows = _tile(x_ptr, seq, chunk, dblk, S, D, BS, BD)
-    d = dblk * BD + tl.arange(0, BD)
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    carry = tl.load(earlier_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, mask=d < D, other=0.0)
-    earlier = tl.cumsum(x, axis=0) - x + carry[None, :]
-    c = (x - earlier / tl.maximum(s, 1).to(tl.float32)[:, None]).to(c_ptr.dtype.element_ty)
-    c_ptrs, _, _, _ = _tile(c_ptr, seq, chunk, dblk, S, D, BS, BD)
-    tl.store(c_ptrs, c, mask=mask)
-    cf = c.to(tl.float32)
-    tl.store(sumsq_ptr + rows * ND + dblk, tl.sum(cf * cf, axis=1), mask=s < S)
+def _scan_kernel(sums_ptr, out_ptr, NC, F, REVERSE: tl.constexpr, BC: tl.constexpr, BF: tl.constexpr):
+    """out[seq, c] = the sum of sums[seq, c'] over the chunks c' before c (after c with REVERSE)."""
+    seq, fblk = tl.program_id(0), tl.program_id(1)
+    f = fblk * BF + tl.arange(0, BF)
+    fm = f < F
+    carry = tl.zeros((BF,), tl.float32)
+    for c0 in range(0, NC, BC):
+        c = c0 + tl.arange(0, BC)
+        if REVERSE:
+            c = NC - 1 - c  # the later chunks first
+        m = ((c >= 0) & (c < NC))[:, None] & fm[None, :]
+        ptrs = (seq.to(tl.int64) * NC + c)[:, None] * F + f[None, :]
+        v = tl.load(sums_ptr + ptrs, mask=m, other=0.0)
+        tl.store(out_ptr + ptrs, carry[None, :] + tl.cumsum(v, axis=0) - v, mask=m)
+        carry += tl.sum(v, axis=0)
 
 
 @triton.jit
-def _grad_chunk_sums_kernel(dc_ptr, c_ptr, alpha_ptr, sums_ptr, S, D, NC, BS: tl.constexpr, BD: tl.constexpr):
-    """sums[seq, chunk, d] = sum over the chunk's positions t of g_t / t."""
-    seq, chunk, dblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    _, u, _ = _gradient(dc_ptr, c_ptr, alpha_ptr, seq, chunk, dblk, S, D, BS, BD)
-    d = dblk * BD + tl.arange(0, BD)
-    tl.store(sums_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, tl.sum(u, axis=0), mask=d < D)
+def _forward_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E: tl.constexpr, EPS: tl.constexpr,
+                    PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+    seq, chunk = tl.program_id(0), tl.program_id(1)
+    _, rows, sm, n = _positions(seq, chunk, S, BS)
+    e = tl.arange(0, BE)
+    em = e < E
+    acc = tl.zeros((BS, BE), tl.float32)
+    sumsq = tl.zeros((BS,), tl.float32)
+    for d0 in range(0, D, BD):
+        c, d, dm = _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BD)
+        cf = c.to(tl.float32)
+        sumsq += tl.sum(cf * cf, axis=1)
+        w = tl.load(w_ptr + e[None, :] * D + d[:, None], mask=dm[:, None] & em[None, :], other=0.0)  # W^T block
+        acc = tl.dot(c, w, acc, input_precision=PREC)
+    rstd = tl.rsqrt(sumsq / D + EPS)
+    tl.store(logits_ptr + rows[:, None] * E + e[None, :], acc * rstd[:, None], mask=sm[:, None] & em[None, :])
+    tl.store(rstd_ptr + rows, rstd, mask=sm)
 
 
 @triton.jit
-def _centre_backward_kernel(dc_ptr, c_ptr, alpha_ptr, later_ptr, dx_ptr, S, D, NC, BS: tl.constexpr,
-                            BD: tl.constexpr):
-    """dx_s = g_s - sum_{t > s} g_t / t: the later chunks' sum plus this chunk's after the position."""
-    seq, chunk, dblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g, u, mask = _gradient(dc_ptr, c_ptr, alpha_ptr, seq, chunk, dblk, S, D, BS, BD)
-    d = dblk * BD + tl.arange(0, BD)
-    carry = tl.load(later_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, mask=d < D, other=0.0)
-    later = tl.sum(u, axis=0)[None, :] - tl.cumsum(u, axis=0) + carry[None, :]
-    dx_ptrs, _, _, _ = _tile(dx_ptr, seq, chunk, dblk, S, D, BS, BD)
-    tl.store(dx_ptrs, (g - later).to(dx_ptr.dtype.element_ty), mask=mask)
+def _dz_alpha(dlogits_ptr, logits_ptr, rstd_ptr, rows, sm, n, D, E: tl.constexpr, BE: tl.constexpr):
+    """Per position: dz = dlogits * rstd, alpha = -<dlogits, W c> rstd^3 / D (W c = logits / rstd), and dz / n."""
+    e = tl.arange(0, BE)
+    em = e < E
+    m = sm[:, None] & em[None, :]
+    ptrs = rows[:, None] * E + e[None, :]
+    dl = tl.load(dlogits_ptr + ptrs, mask=m, other=0.0)
+    lg = tl.load(logits_ptr + ptrs, mask=m, other=0.0)
+    r = tl.load(rstd_ptr + rows, mask=sm, other=1.0)
+    dz = dl * r[:, None]
+    alpha = -tl.sum(dl * lg, axis=1) * r * r / D
+    return dz, alpha, dz / n[:, None], e, em
 
 
-def _grid(T: int, D: int, S: int) -> tuple[int, int, int]:
-    return T // S, triton.cdiv(S, BS), triton.cdiv(D, BD)
+@triton.jit
+def _grad_sums_kernel(dlogits_ptr, logits_ptr, rstd_ptr, x_ptr, earlier_ptr, sums_e_ptr, sums_d_ptr, S, D, NC,
+                      E: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+    """Per chunk: the sums over its positions of dz / n (E) and of alpha c / n (D)."""
+    seq, chunk = tl.program_id(0), tl.program_id(1)
+    _, rows, sm, n = _positions(seq, chunk, S, BS)
+    _, alpha, u, e, em = _dz_alpha(dlogits_ptr, logits_ptr, rstd_ptr, rows, sm, n, D, E, BE)
+    tile = seq.to(tl.int64) * NC + chunk
+    tl.store(sums_e_ptr + tile * E + e, tl.sum(u, axis=0), mask=em)
+    for d0 in range(0, D, BD):
+        c, d, dm = _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BD)
+        v = (alpha / n)[:, None] * c.to(tl.float32)
+        tl.store(sums_d_ptr + tile * D + d, tl.sum(v, axis=0), mask=dm)
 
 
-@torch.library.custom_op("sonic::prefix_centre", mutates_args=())
-def _prefix_centre(x_TD: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+@triton.jit
+def _grad_kernel(dlogits_ptr, logits_ptr, rstd_ptr, x_ptr, w_ptr, earlier_ptr, later_e_ptr, later_d_ptr, q_ptr,
+                 dx_ptr, S, D, NC, E: tl.constexpr, PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
+                 BE: tl.constexpr):
+    """q = P^T dz, and dx = q W + alpha c - sum_{t>s} alpha_t c_t / n_t."""
+    seq, chunk = tl.program_id(0), tl.program_id(1)
+    _, rows, sm, n = _positions(seq, chunk, S, BS)
+    dz, alpha, u, e, em = _dz_alpha(dlogits_ptr, logits_ptr, rstd_ptr, rows, sm, n, D, E, BE)
+    tile = seq.to(tl.int64) * NC + chunk
+    later_e = tl.load(later_e_ptr + tile * E + e, mask=em, other=0.0)
+    q = (dz - (later_e[None, :] + tl.sum(u, axis=0)[None, :] - tl.cumsum(u, axis=0))).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows[:, None] * E + e[None, :], q, mask=sm[:, None] & em[None, :])
+    for d0 in range(0, D, BD):
+        c, d, dm = _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BD)
+        ac = alpha[:, None] * c.to(tl.float32)
+        v = ac / n[:, None]
+        later = tl.load(later_d_ptr + tile * D + d, mask=dm, other=0.0)[None, :] + tl.sum(v, axis=0)[None, :] \
+            - tl.cumsum(v, axis=0)
+        w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=em[:, None] & dm[None, :], other=0.0)
+        dx = tl.dot(q, w, input_precision=PREC) + ac - later
+        tl.store(dx_ptr + rows[:, None] * D + d[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=sm[:, None] & dm[None, :])
+
+
+def _scan(sums: Tensor, reverse: bool) -> Tensor:
+    B, NC, F = sums.shape
+    out = _alloc(sums.shape, torch.float32, sums.device)
+    _scan_kernel[(B, triton.cdiv(F, 128))](sums, out, NC, F, REVERSE=reverse, BC=BC, BF=128, num_warps=4)
+    return out
+
+
+def _earlier_sums(x_TD: Tensor, S: int, BS: int) -> Tensor:
+    """(B, chunks, D): per chunk, the sum of x over the sequence's earlier chunks."""
     T, D = x_TD.shape
-    grid = _grid(T, D, seq_len)
-    sums_BCD = _alloc(grid[:2] + (D,), torch.float32, x_TD.device)
-    c_TD = _alloc((T, D), x_TD.dtype, x_TD.device)
-    sumsq_TN = _alloc((T, grid[2]), torch.float32, x_TD.device)
-    if T:
-        _chunk_sums_kernel[grid](x_TD, sums_BCD, seq_len, D, grid[1], BS=BS, BD=BD, num_warps=4)
-        earlier_BCD = sums_BCD.cumsum(1) - sums_BCD
-        _centre_kernel[grid](x_TD, earlier_BCD, c_TD, sumsq_TN, seq_len, D, grid[1], grid[2], BS=BS, BD=BD,
-                             num_warps=4)
-    return c_TD, sumsq_TN.sum(1) / D  # a fixed-order sum over the feature blocks: deterministic
+    grid = (T // S, triton.cdiv(S, BS), triton.cdiv(D, BD))
+    sums = _alloc((grid[0], grid[1], D), torch.float32, x_TD.device)
+    _chunk_sums_kernel[grid](x_TD, sums, S, D, grid[1], BS=BS, BD=BD, num_warps=4)
+    return _scan(sums, reverse=False)
 
 
-@_prefix_centre.register_fake
-def _(x_TD, seq_len):
-    return torch.empty_like(x_TD), x_TD.new_empty((x_TD.shape[0],), dtype=torch.float32)
-
-
-@torch.library.custom_op("sonic::prefix_centre_backward", mutates_args=())
-def _prefix_centre_backward(dc_TD: Tensor, c_TD: Tensor, alpha_T: Tensor, seq_len: int) -> Tensor:
-    T, D = dc_TD.shape
-    grid = _grid(T, D, seq_len)
-    sums_BCD = _alloc(grid[:2] + (D,), torch.float32, dc_TD.device)
-    dx_TD = _alloc((T, D), dc_TD.dtype, dc_TD.device)
-    if T:
-        _grad_chunk_sums_kernel[grid](dc_TD, c_TD, alpha_T, sums_BCD, seq_len, D, grid[1], BS=BS, BD=BD, num_warps=4)
-        later_BCD = sums_BCD.flip(1).cumsum(1).flip(1) - sums_BCD
-        _centre_backward_kernel[grid](dc_TD, c_TD, alpha_T, later_BCD, dx_TD, seq_len, D, grid[1], BS=BS, BD=BD,
-                                      num_warps=4)
-    return dx_TD
-
-
-@_prefix_centre_backward.register_fake
-def _(dc_TD, c_TD, alpha_T, seq_len):
-    return torch.empty_like(dc_TD)
+def _precision(x_TD: Tensor) -> str:
+    return "ieee" if x_TD.dtype == torch.float32 else "tf32"  # fp32: exact products, as the definition's
 
 
 def _fused(x_TD: Tensor) -> bool:
@@ -146,15 +187,41 @@ def _fused(x_TD: Tensor) -> bool:
     return x_TD.dtype != torch.float64
 
 
-def prefix_centre(x_TD: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
-    """sonic.routing.scores.prefix_centre, fused (see the module docstring)."""
+def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """sonic.routing.scores.prefix_centred_logits, fused (see the module docstring)."""
     if not _fused(x_TD):
-        return scores.prefix_centre(x_TD, seq_len)
-    return _prefix_centre(x_TD.contiguous(), seq_len)
+        return scores.prefix_centred_logits(x_TD, weight_ED, seq_len)
+    x_TD, weight_ED = x_TD.contiguous(), weight_ED.to(x_TD.dtype).contiguous()
+    (T, D), E, S = x_TD.shape, weight_ED.shape[0], seq_len
+    logits_TE = _alloc((T, E), torch.float32, x_TD.device)
+    rstd_T = _alloc((T,), torch.float32, x_TD.device)
+    if T:
+        cfg = _tiles(E)
+        earlier = _earlier_sums(x_TD, S, cfg["BS"])
+        _forward_kernel[(T // S, earlier.shape[1])](x_TD, weight_ED, earlier, logits_TE, rstd_T, S, D, earlier.shape[1],
+                                                    E=E, EPS=scores.EPS, PREC=_precision(x_TD), BD=BD, **cfg)
+    return logits_TE, rstd_T
 
 
-def prefix_centre_backward(dc_TD: Tensor, c_TD: Tensor, alpha_T: Tensor, seq_len: int) -> Tensor:
-    """sonic.routing.scores.prefix_centre_backward, fused."""
-    if not _fused(dc_TD):
-        return scores.prefix_centre_backward(dc_TD, c_TD, alpha_T, seq_len)
-    return _prefix_centre_backward(dc_TD.contiguous(), c_TD.contiguous(), alpha_T.float().contiguous(), seq_len)
+def prefix_centred_logits_backward(dlogits_TE: Tensor, logits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor,
+                                   rstd_T: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """sonic.routing.scores.prefix_centred_logits_backward, fused."""
+    if not _fused(x_TD):
+        return scores.prefix_centred_logits_backward(dlogits_TE, logits_TE, x_TD, weight_ED, rstd_T, seq_len)
+    x_TD, w_ED = x_TD.contiguous(), weight_ED.to(x_TD.dtype).contiguous()
+    dlogits_TE, logits_TE, rstd_T = (t.float().contiguous() for t in (dlogits_TE, logits_TE, rstd_T))
+    (T, D), E, S = x_TD.shape, w_ED.shape[0], seq_len
+    dx_TD = _alloc((T, D), x_TD.dtype, x_TD.device)
+    q_TE = _alloc((T, E), x_TD.dtype, x_TD.device)
+    if not T:
+        return dx_TD, torch.zeros_like(weight_ED)
+    cfg = _tiles(E)
+    earlier = _earlier_sums(x_TD, S, cfg["BS"])
+    B, NC = earlier.shape[:2]
+    sums_e, sums_d = _alloc((B, NC, E), torch.float32, x_TD.device), _alloc((B, NC, D), torch.float32, x_TD.device)
+    _grad_sums_kernel[(B, NC)](dlogits_TE, logits_TE, rstd_T, x_TD, earlier, sums_e, sums_d, S, D, NC, E=E, BD=BD,
+                               **cfg)
+    _grad_kernel[(B, NC)](dlogits_TE, logits_TE, rstd_T, x_TD, w_ED, earlier, _scan(sums_e, reverse=True),
+                          _scan(sums_d, reverse=True), q_TE, dx_TD, S, D, NC, E=E, PREC=_precision(x_TD), BD=BD,
+                          **cfg)
+    return dx_TD, (q_TE.t() @ x_TD).to(weight_ED.dtype)

@@ -16,7 +16,7 @@ expert) its first row, and each chunk sorts its own (expert, token) keys in regi
 rank its pairs within an expert. Rows come out sorted by expert then token, exactly as
 build_plan's argsort would, with a cost independent of E.
 
-prefix_centre[_backward] (routing.input_centring=prefix): the router input's scan, in
+prefix_centred_logits[_backward] (routing.input_centring=prefix): the router's centred logits, in
 sonic/kernels/triton/centring.py. token_rounding_rows (routing.method=token_rounding): the selection's keys
 and keep kernels, in sonic/kernels/triton/rounding.py.
 """
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sonic.kernels.triton.centring import prefix_centre, prefix_centre_backward  # noqa: F401 (this backend's centring)
+from sonic.kernels.triton.centring import prefix_centred_logits, prefix_centred_logits_backward  # noqa: F401 (its centring)
 from sonic.kernels.triton.rounding import token_rounding_rows  # noqa: F401 (this backend's token-rounding selection)
 from sonic.routing.plan import RoutingPlan, TopK
 
@@ -53,7 +53,8 @@ def _tiles(E: int, K: int) -> dict:
 
 @triton.jit
 def _softmax_rows(logits_TE, t, e, T, E: tl.constexpr):
-    """(x, P, lse, row mask, col mask) of a tile of tokens: logits in fp32, -inf padding."""
+    """(x, P, lse, row max, row sum of exp(x - max), row mask) of a tile of tokens: logits in fp32, -inf
+    padding. P = exp(x - max) / sum."""
     tm = t < T
     em = e < E
     x = tl.load(logits_TE + t.to(tl.int64)[:, None] * E + e[None, :], mask=tm[:, None] & em[None, :],
@@ -63,7 +64,7 @@ def _softmax_rows(logits_TE, t, e, T, E: tl.constexpr):
     p = tl.exp(x - m[:, None])
     s = tl.where(tm, tl.sum(p, axis=1), 1.0)  # padding rows: no log(0)
     lse = m + tl.log(s)
-    return x, p / s[:, None], lse, tm, em
+    return x, p / s[:, None], lse, m, s, tm
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -72,7 +73,8 @@ def _select_kernel(logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, count
                    BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
     """Chunk c = SUB tiles of BT tokens. Per token: K rounds of (max, lowest index attaining it) of logits +
     bias, then the gates. Per chunk (no atomics, so deterministic): the softmax summed over its tokens and,
-    with COUNT, its picks per expert (what the plan's counting sort scans)."""
+    with COUNT, its picks per expert (what the plan's counting sort scans). Two reductions over the tile per
+    pick: a pick's logit is loaded again (from L1) rather than reduced out of the tile."""
     c = tl.program_id(0)
     e = tl.arange(0, BE)
     em = e < E
@@ -82,31 +84,29 @@ def _select_kernel(logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, count
     counts = tl.zeros((BE,), tl.int32)
     for sub in range(SUB):
         t = (c * SUB + sub) * BT + tl.arange(0, BT)
-        x, P, lse, tm, _ = _softmax_rows(logits_TE, t, e, T, E)
+        x, P, lse, row_max, row_sum, tm = _softmax_rows(logits_TE, t, e, T, E)
         tl.store(lse_T + t, lse, mask=tm)
         probsum += tl.sum(tl.where(tm[:, None], P, 0.0), axis=0)
         taken = (~em)[None, :] | (t < 0)[:, None]  # padding columns never win
         sel = x + bias[None, :]
         top_i = tl.zeros((BT, KP), tl.int32)
-        top_x = tl.full((BT, KP), float("-inf"), tl.float32)  # the unbiased logit of each pick
-        top_p = tl.zeros((BT, KP), tl.float32)  # its full-softmax probability
         for k in tl.static_range(K):
             sv = tl.where(taken, float("-inf"), sel)
             m = tl.max(sv, axis=1)
             i = tl.min(tl.where((sv == m[:, None]) & ~taken, e[None, :], BE), axis=1)
-            hit = e[None, :] == i[:, None]
             top_i = tl.where(kk[None, :] == k, i[:, None], top_i)
-            top_x = tl.where(kk[None, :] == k, tl.sum(tl.where(hit, x, 0.0), axis=1)[:, None], top_x)
-            top_p = tl.where(kk[None, :] == k, tl.sum(tl.where(hit, P, 0.0), axis=1)[:, None], top_p)
-            if COUNT:
-                counts += tl.sum(tl.where(hit & tm[:, None], 1, 0), axis=0)
-            taken = taken | hit
+            taken = taken | (e[None, :] == i[:, None])
+        if COUNT:
+            counts += tl.sum(tl.where(taken & em[None, :] & tm[:, None], 1, 0), axis=0)
+        # the unbiased logit of each pick
+        top_x = tl.load(logits_TE + t.to(tl.int64)[:, None] * E + top_i, mask=tm[:, None] & (kk < K)[None, :],
+                        other=float("-inf")).to(tl.float32)
         if ORDER == 0:  # softmax over the K picked logits
             mx = tl.max(top_x, axis=1)
             g = tl.where(kk[None, :] < K, tl.exp(top_x - mx[:, None]), 0.0)
             g = g / tl.sum(g, axis=1)[:, None]
-        else:
-            g = tl.where(kk[None, :] < K, top_p, 0.0)
+        else:  # the full softmax at the picks, as P computes it
+            g = tl.where(kk[None, :] < K, tl.exp(top_x - row_max[:, None]) / row_sum[:, None], 0.0)
             if RENORM:
                 g = g / tl.sum(g, axis=1)[:, None]
         om = tm[:, None] & (kk < K)[None, :]
