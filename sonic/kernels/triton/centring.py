@@ -27,7 +27,6 @@ from torch import Tensor
 
 from sonic.routing import scores
 
-BD = 64  # features per block: 128-byte rows of bf16
 BC = 32  # chunks per step of the scan
 
 
@@ -37,9 +36,10 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _tiles(E: int) -> dict:
-    """Positions per tile: the tile's (BS, E) fp32 accumulator stays at 8192 values or under."""
+    """Positions per tile (BS) and features per block (BD). Every forward tile reads all of W, so W's traffic
+    is E / BS times x's: BS grows as E shrinks, while the (BS, E) fp32 accumulator stays at 8192 values."""
     be = max(16, triton.next_power_of_2(E))
-    return dict(BS=max(16, min(64, 4096 // be)), BE=be, num_warps=4 if be <= 256 else 8)
+    return dict(BS=max(16, min(64, 8192 // be)), BD=64 if be <= 256 else 32, BE=be, num_warps=4 if be <= 128 else 8)
 
 
 @triton.jit
@@ -109,57 +109,71 @@ def _forward_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E
 
 
 @triton.jit
-def _dz_alpha(dlogits_ptr, logits_ptr, rstd_ptr, rows, sm, n, D, E: tl.constexpr, BE: tl.constexpr):
-    """Per position: dz = dlogits * rstd, alpha = -<dlogits, W c> rstd^3 / D (W c = logits / rstd), and dz / n."""
+def _dz(dlogits_ptr, rstd_ptr, rows, sm, E: tl.constexpr, BE: tl.constexpr):
+    """dz = dlogits * rstd of the tile's positions, the dlogits, and the (positions, experts) mask."""
+    e = tl.arange(0, BE)
+    m = sm[:, None] & (e < E)[None, :]
+    dl = tl.load(dlogits_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
+    return dl * tl.load(rstd_ptr + rows, mask=sm, other=1.0)[:, None], dl, e, m
+
+
+@triton.jit
+def _alpha_kernel(dlogits_ptr, logits_ptr, rstd_ptr, alpha_ptr, sums_e_ptr, S, D, NC, E: tl.constexpr,
+                  BS: tl.constexpr, BE: tl.constexpr):
+    """alpha = -<dlogits, W c> rstd^3 / D (W c = logits / rstd), and per chunk the sum of dz / n."""
+    seq, chunk = tl.program_id(0), tl.program_id(1)
+    _, rows, sm, n = _positions(seq, chunk, S, BS)
+    dz, dl, e, m = _dz(dlogits_ptr, rstd_ptr, rows, sm, E, BE)
+    lg = tl.load(logits_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
+    r = tl.load(rstd_ptr + rows, mask=sm, other=1.0)
+    tl.store(alpha_ptr + rows, -tl.sum(dl * lg, axis=1) * r * r / D, mask=sm)
+    tl.store(sums_e_ptr + (seq.to(tl.int64) * NC + chunk) * E + e, tl.sum(dz / n[:, None], axis=0), mask=e < E)
+
+
+@triton.jit
+def _q_kernel(dlogits_ptr, rstd_ptr, later_e_ptr, q_ptr, S, NC, E: tl.constexpr, BS: tl.constexpr,
+              BE: tl.constexpr):
+    """q = P^T dz: dz_s - sum_{t>s} dz_t / n_t, the later chunks' sum plus this chunk's after the position."""
+    seq, chunk = tl.program_id(0), tl.program_id(1)
+    _, rows, sm, n = _positions(seq, chunk, S, BS)
+    dz, _, e, m = _dz(dlogits_ptr, rstd_ptr, rows, sm, E, BE)
+    u = dz / n[:, None]
+    later = tl.load(later_e_ptr + (seq.to(tl.int64) * NC + chunk) * E + e, mask=e < E, other=0.0)
+    q = dz - (later[None, :] + tl.sum(u, axis=0)[None, :] - tl.cumsum(u, axis=0))
+    tl.store(q_ptr + rows[:, None] * E + e[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _alpha_c(x_ptr, earlier_ptr, alpha_ptr, seq, chunk, dblk, S, D, NC, BS: tl.constexpr, BD: tl.constexpr):
+    """alpha c of one (positions, feature block) tile, and alpha c / n."""
+    _, rows, sm, n = _positions(seq, chunk, S, BS)
+    c, d, dm = _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, dblk * BD, S, D, NC, BD)
+    ac = tl.load(alpha_ptr + rows, mask=sm, other=0.0)[:, None] * c.to(tl.float32)
+    return ac, ac / n[:, None], rows, sm, d, dm
+
+
+@triton.jit
+def _grad_sums_kernel(x_ptr, earlier_ptr, alpha_ptr, sums_d_ptr, S, D, NC, BS: tl.constexpr, BD: tl.constexpr):
+    """Per chunk, the sum over its positions of alpha c / n."""
+    seq, chunk, dblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    _, v, _, _, d, dm = _alpha_c(x_ptr, earlier_ptr, alpha_ptr, seq, chunk, dblk, S, D, NC, BS, BD)
+    tl.store(sums_d_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, tl.sum(v, axis=0), mask=dm)
+
+
+@triton.jit
+def _grad_kernel(x_ptr, earlier_ptr, alpha_ptr, later_d_ptr, q_ptr, w_ptr, dx_ptr, S, D, NC, E: tl.constexpr,
+                 PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+    """dx = q W + alpha c - sum_{t>s} alpha_t c_t / n_t."""
+    seq, chunk, dblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ac, v, rows, sm, d, dm = _alpha_c(x_ptr, earlier_ptr, alpha_ptr, seq, chunk, dblk, S, D, NC, BS, BD)
+    later = tl.load(later_d_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, mask=dm, other=0.0)[None, :] \
+        + tl.sum(v, axis=0)[None, :] - tl.cumsum(v, axis=0)
     e = tl.arange(0, BE)
     em = e < E
-    m = sm[:, None] & em[None, :]
-    ptrs = rows[:, None] * E + e[None, :]
-    dl = tl.load(dlogits_ptr + ptrs, mask=m, other=0.0)
-    lg = tl.load(logits_ptr + ptrs, mask=m, other=0.0)
-    r = tl.load(rstd_ptr + rows, mask=sm, other=1.0)
-    dz = dl * r[:, None]
-    alpha = -tl.sum(dl * lg, axis=1) * r * r / D
-    return dz, alpha, dz / n[:, None], e, em
-
-
-@triton.jit
-def _grad_sums_kernel(dlogits_ptr, logits_ptr, rstd_ptr, x_ptr, earlier_ptr, sums_e_ptr, sums_d_ptr, S, D, NC,
-                      E: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
-    """Per chunk: the sums over its positions of dz / n (E) and of alpha c / n (D)."""
-    seq, chunk = tl.program_id(0), tl.program_id(1)
-    _, rows, sm, n = _positions(seq, chunk, S, BS)
-    _, alpha, u, e, em = _dz_alpha(dlogits_ptr, logits_ptr, rstd_ptr, rows, sm, n, D, E, BE)
-    tile = seq.to(tl.int64) * NC + chunk
-    tl.store(sums_e_ptr + tile * E + e, tl.sum(u, axis=0), mask=em)
-    for d0 in range(0, D, BD):
-        c, d, dm = _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BD)
-        v = (alpha / n)[:, None] * c.to(tl.float32)
-        tl.store(sums_d_ptr + tile * D + d, tl.sum(v, axis=0), mask=dm)
-
-
-@triton.jit
-def _grad_kernel(dlogits_ptr, logits_ptr, rstd_ptr, x_ptr, w_ptr, earlier_ptr, later_e_ptr, later_d_ptr, q_ptr,
-                 dx_ptr, S, D, NC, E: tl.constexpr, PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
-                 BE: tl.constexpr):
-    """q = P^T dz, and dx = q W + alpha c - sum_{t>s} alpha_t c_t / n_t."""
-    seq, chunk = tl.program_id(0), tl.program_id(1)
-    _, rows, sm, n = _positions(seq, chunk, S, BS)
-    dz, alpha, u, e, em = _dz_alpha(dlogits_ptr, logits_ptr, rstd_ptr, rows, sm, n, D, E, BE)
-    tile = seq.to(tl.int64) * NC + chunk
-    later_e = tl.load(later_e_ptr + tile * E + e, mask=em, other=0.0)
-    q = (dz - (later_e[None, :] + tl.sum(u, axis=0)[None, :] - tl.cumsum(u, axis=0))).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rows[:, None] * E + e[None, :], q, mask=sm[:, None] & em[None, :])
-    for d0 in range(0, D, BD):
-        c, d, dm = _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BD)
-        ac = alpha[:, None] * c.to(tl.float32)
-        v = ac / n[:, None]
-        later = tl.load(later_d_ptr + tile * D + d, mask=dm, other=0.0)[None, :] + tl.sum(v, axis=0)[None, :] \
-            - tl.cumsum(v, axis=0)
-        w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=em[:, None] & dm[None, :], other=0.0)
-        dx = tl.dot(q, w, input_precision=PREC) + ac - later
-        tl.store(dx_ptr + rows[:, None] * D + d[None, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=sm[:, None] & dm[None, :])
+    q = tl.load(q_ptr + rows[:, None] * E + e[None, :], mask=sm[:, None] & em[None, :], other=0.0)
+    w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=em[:, None] & dm[None, :], other=0.0)
+    dx = tl.dot(q, w, input_precision=PREC) + ac - later
+    tl.store(dx_ptr + rows[:, None] * D + d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=sm[:, None] & dm[None, :])
 
 
 def _scan(sums: Tensor, reverse: bool) -> Tensor:
@@ -172,9 +186,9 @@ def _scan(sums: Tensor, reverse: bool) -> Tensor:
 def _earlier_sums(x_TD: Tensor, S: int, BS: int) -> Tensor:
     """(B, chunks, D): per chunk, the sum of x over the sequence's earlier chunks."""
     T, D = x_TD.shape
-    grid = (T // S, triton.cdiv(S, BS), triton.cdiv(D, BD))
+    grid = (T // S, triton.cdiv(S, BS), triton.cdiv(D, 64))
     sums = _alloc((grid[0], grid[1], D), torch.float32, x_TD.device)
-    _chunk_sums_kernel[grid](x_TD, sums, S, D, grid[1], BS=BS, BD=BD, num_warps=4)
+    _chunk_sums_kernel[grid](x_TD, sums, S, D, grid[1], BS=BS, BD=64, num_warps=4)
     return _scan(sums, reverse=False)
 
 
@@ -199,7 +213,7 @@ def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tupl
         cfg = _tiles(E)
         earlier = _earlier_sums(x_TD, S, cfg["BS"])
         _forward_kernel[(T // S, earlier.shape[1])](x_TD, weight_ED, earlier, logits_TE, rstd_T, S, D, earlier.shape[1],
-                                                    E=E, EPS=scores.EPS, PREC=_precision(x_TD), BD=BD, **cfg)
+                                                    E=E, EPS=scores.EPS, PREC=_precision(x_TD), **cfg)
     return logits_TE, rstd_T
 
 
@@ -216,12 +230,15 @@ def prefix_centred_logits_backward(dlogits_TE: Tensor, logits_TE: Tensor, x_TD: 
     if not T:
         return dx_TD, torch.zeros_like(weight_ED)
     cfg = _tiles(E)
-    earlier = _earlier_sums(x_TD, S, cfg["BS"])
+    BS, BD, BE = cfg["BS"], cfg["BD"], cfg["BE"]
+    earlier = _earlier_sums(x_TD, S, BS)
     B, NC = earlier.shape[:2]
-    sums_e, sums_d = _alloc((B, NC, E), torch.float32, x_TD.device), _alloc((B, NC, D), torch.float32, x_TD.device)
-    _grad_sums_kernel[(B, NC)](dlogits_TE, logits_TE, rstd_T, x_TD, earlier, sums_e, sums_d, S, D, NC, E=E, BD=BD,
-                               **cfg)
-    _grad_kernel[(B, NC)](dlogits_TE, logits_TE, rstd_T, x_TD, w_ED, earlier, _scan(sums_e, reverse=True),
-                          _scan(sums_d, reverse=True), q_TE, dx_TD, S, D, NC, E=E, PREC=_precision(x_TD), BD=BD,
-                          **cfg)
+    f32 = dict(dtype=torch.float32, device=x_TD.device)
+    alpha_T, sums_e, sums_d = _alloc((T,), **f32), _alloc((B, NC, E), **f32), _alloc((B, NC, D), **f32)
+    _alpha_kernel[(B, NC)](dlogits_TE, logits_TE, rstd_T, alpha_T, sums_e, S, D, NC, E=E, BS=BS, BE=BE, num_warps=4)
+    _q_kernel[(B, NC)](dlogits_TE, rstd_T, _scan(sums_e, reverse=True), q_TE, S, NC, E=E, BS=BS, BE=BE, num_warps=4)
+    grid = (B, NC, triton.cdiv(D, BD))
+    _grad_sums_kernel[grid](x_TD, earlier, alpha_T, sums_d, S, D, NC, BS=BS, BD=BD, num_warps=4)
+    _grad_kernel[grid](x_TD, earlier, alpha_T, _scan(sums_d, reverse=True), q_TE, w_ED, dx_TD, S, D, NC, E=E,
+                       PREC=_precision(x_TD), BS=BS, BD=BD, BE=BE, num_warps=cfg["num_warps"])
     return dx_TD, (q_TE.t() @ x_TD).to(weight_ED.dtype)
