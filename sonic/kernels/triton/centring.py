@@ -50,14 +50,38 @@ def _positions(seq, chunk, S, BS: tl.constexpr):
 
 
 @triton.jit
-def _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BD: tl.constexpr):
-    """c of one (positions, feature block) tile, in x's dtype, and its block of features."""
+def _dot_exact(a, b):
+    """a @ b in fp32 for a b in x's dtype: fp32 inputs exactly, 16-bit ones on tensor cores."""
+    if b.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BS: tl.constexpr, BD: tl.constexpr):
+    """c of one (positions, feature block) tile, in x's dtype, and its block of features. The sum over the
+    tile's earlier positions is a product with a 0/1 lower-triangular matrix on tensor cores (exact products,
+    fp32 sums): a scan along the tile's rows crosses warps and was the kernels' largest cost."""
     d = d0 + tl.arange(0, BD)
     dm = d < D
-    x = tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+    i = tl.arange(0, BS)
+    within = _dot_exact((i[None, :] < i[:, None]).to(tl.float32), x)
     carry = tl.load(earlier_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, mask=dm, other=0.0)
-    c = x - (carry[None, :] + tl.cumsum(x, axis=0) - x) / n[:, None]
+    c = x.to(tl.float32) - (carry[None, :] + within) / n[:, None]
     return c.to(x_ptr.dtype.element_ty), d, dm
+
+
+@triton.jit
+def _later_within(g, c):
+    """sum_{t>s} g_t c_t over the tile's positions t after s, for per-position weights g (fp32) and c in x's
+    dtype, on tensor cores: the weights split into two 16-bit parts, so the sum keeps about 16 bits of them."""
+    i = tl.arange(0, g.shape[0])
+    G = tl.where(i[None, :] > i[:, None], g[None, :], 0.0)
+    if c.dtype == tl.float32:
+        return tl.dot(G, c, input_precision="ieee")
+    hi = G.to(c.dtype)
+    return tl.dot(hi, c) + tl.dot((G - hi.to(tl.float32)).to(c.dtype), c)
 
 
 @triton.jit
@@ -98,7 +122,7 @@ def _forward_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E
     acc = tl.zeros((BS, BE), tl.float32)
     sumsq = tl.zeros((BS,), tl.float32)
     for d0 in range(0, D, BD):
-        c, d, dm = _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BD)
+        c, d, dm = _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BS, BD)
         cf = c.to(tl.float32)
         sumsq += tl.sum(cf * cf, axis=1)
         w = tl.load(w_ptr + e[None, :] * D + d[:, None], mask=dm[:, None] & em[None, :], other=0.0)  # W^T block
@@ -145,19 +169,20 @@ def _q_kernel(dlogits_ptr, rstd_ptr, later_e_ptr, q_ptr, S, NC, E: tl.constexpr,
 
 @triton.jit
 def _alpha_c(x_ptr, earlier_ptr, alpha_ptr, seq, chunk, dblk, S, D, NC, BS: tl.constexpr, BD: tl.constexpr):
-    """alpha c of one (positions, feature block) tile, and alpha c / n."""
+    """c of one (positions, feature block) tile, alpha c, and alpha / n per position."""
     _, rows, sm, n = _positions(seq, chunk, S, BS)
-    c, d, dm = _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, dblk * BD, S, D, NC, BD)
-    ac = tl.load(alpha_ptr + rows, mask=sm, other=0.0)[:, None] * c.to(tl.float32)
-    return ac, ac / n[:, None], rows, sm, d, dm
+    c, d, dm = _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, dblk * BD, S, D, NC, BS, BD)
+    alpha = tl.load(alpha_ptr + rows, mask=sm, other=0.0)
+    return c, alpha[:, None] * c.to(tl.float32), alpha / n, rows, sm, d, dm
 
 
 @triton.jit
 def _grad_sums_kernel(x_ptr, earlier_ptr, alpha_ptr, sums_d_ptr, S, D, NC, BS: tl.constexpr, BD: tl.constexpr):
     """Per chunk, the sum over its positions of alpha c / n."""
     seq, chunk, dblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    _, v, _, _, d, dm = _alpha_c(x_ptr, earlier_ptr, alpha_ptr, seq, chunk, dblk, S, D, NC, BS, BD)
-    tl.store(sums_d_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, tl.sum(v, axis=0), mask=dm)
+    c, _, g, _, _, d, dm = _alpha_c(x_ptr, earlier_ptr, alpha_ptr, seq, chunk, dblk, S, D, NC, BS, BD)
+    tl.store(sums_d_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, tl.sum(g[:, None] * c.to(tl.float32), axis=0),
+             mask=dm)
 
 
 @triton.jit
@@ -165,9 +190,9 @@ def _grad_kernel(x_ptr, earlier_ptr, alpha_ptr, later_d_ptr, q_ptr, w_ptr, dx_pt
                  PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
     """dx = q W + alpha c - sum_{t>s} alpha_t c_t / n_t."""
     seq, chunk, dblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    ac, v, rows, sm, d, dm = _alpha_c(x_ptr, earlier_ptr, alpha_ptr, seq, chunk, dblk, S, D, NC, BS, BD)
+    c, ac, g, rows, sm, d, dm = _alpha_c(x_ptr, earlier_ptr, alpha_ptr, seq, chunk, dblk, S, D, NC, BS, BD)
     later = tl.load(later_d_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, mask=dm, other=0.0)[None, :] \
-        + tl.sum(v, axis=0)[None, :] - tl.cumsum(v, axis=0)
+        + _later_within(g, c)
     e = tl.arange(0, BE)
     em = e < E
     q = tl.load(q_ptr + rows[:, None] * E + e[None, :], mask=sm[:, None] & em[None, :], other=0.0)
