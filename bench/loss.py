@@ -38,7 +38,7 @@ def main(argv=None):
     h_TD = torch.randn(T, D, device=args.device, generator=g).to(dt).requires_grad_()
     w_VD = (0.02 * torch.randn(V, D, device=args.device, generator=g)).to(dt).requires_grad_()
     labels_T = torch.randint(0, V, (T,), device=args.device, generator=g)
-    C = min(T, max(1, loss_mod.CHUNK_ELEMENTS // V))  # the backend's chunk
+    C = min(T, loss_mod.chunk_tokens(V))  # the backend's chunk
     with torch.no_grad():
         logits_CV = h_TD[:C] @ w_VD.T
         grad_CV = torch.randn(C, V, device=args.device, generator=g).to(dt)

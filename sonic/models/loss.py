@@ -36,6 +36,11 @@ LOSS_BACKENDS = Registry("model.loss_backend", [
 CHUNK_ELEMENTS = 1 << 28  # logits per chunk of the chunked backend: 512 MiB in bf16
 
 
+def chunk_tokens(V: int) -> int:
+    """Tokens per chunk of the chunked backend at vocabulary size V."""
+    return max(1, CHUNK_ELEMENTS // V)
+
+
 def torch_loss(h_TD: Tensor, w_VD: Tensor, labels_T: Tensor) -> Tensor:
     logits_TV = h_TD @ w_VD.T
     return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX)
@@ -78,7 +83,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @torch.autocast("cpu", enabled=False)
     def forward(ctx, h_TD: Tensor, w_VD: Tensor, labels_T: Tensor) -> Tensor:
         T, V = h_TD.shape[0], w_VD.shape[0]
-        chunk = max(1, CHUNK_ELEMENTS // V)
+        chunk = chunk_tokens(V)
         ce = _chunk_fn(torch.promote_types(h_TD.dtype, w_VD.dtype), h_TD.device)
         acc = torch.promote_types(h_TD.dtype, torch.float32)
         inv_count = 1.0 / (labels_T != IGNORE_INDEX).sum().clamp_min(1).to(acc)

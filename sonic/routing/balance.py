@@ -51,11 +51,13 @@ def sinkhorn_offset(logits_TE: Tensor, bias_E: Tensor, iters: int, temperature: 
     T, E = select_TE.shape
     if T == 0:
         return bias_E
-    token_part_TE = select_TE - select_TE.mean(1, keepdim=True)  # a shift of one token's logits picks alike
-    tau = temperature * (token_part_TE - token_part_TE.mean(0)).std().clamp_min(1e-6)
+    col_E = select_TE.mean(0)
+    # a shift of one token's logits picks alike, and each expert's mean is what the potentials remove
+    token_part_TE = select_TE - select_TE.mean(1, keepdim=True) - (col_E - col_E.mean())
+    tau = temperature * token_part_TE.std().clamp_min(1e-6)
     z_TE = select_TE / tau
     log_col = math.log(T / E)
-    g_E = -z_TE.mean(0)  # a warm start: removing each expert's mean logit is most of the way there
+    g_E = -col_E / tau  # a warm start: removing each expert's mean logit is most of the way there
     f_T = -(z_TE + g_E).logsumexp(1)
     for _ in range(iters):
         g_E = log_col - (z_TE + f_T[:, None]).logsumexp(0)

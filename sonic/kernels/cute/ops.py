@@ -20,8 +20,7 @@ import re
 import threading
 import time
 import warnings
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -236,7 +235,7 @@ def default_config(kind: str, D: int, N: int) -> Config:
     cfg = Config.parse(entry)
     n_out = {"up": 2 * N, "down": D, "dh": N, "dx": D, "dw1": D, "dw2": N}[kind]
     if cfg.tile_n == 256 and n_out % 256:
-        cfg = dataclasses.replace(cfg, tile_n=128)
+        cfg = replace(cfg, tile_n=128)
     return cfg
 
 
