@@ -54,8 +54,10 @@ class PrefixCentredScores(nn.Module):
 # logits = (W c) * rstd, rstd = rsqrt(mean(c^2) + EPS), c = prefix_centre(x), as one op with its own backward op,
 # both run by the routing backend's prefix_centred_logits[_backward]: autograd through plain ops would keep c, one
 # more T x D tensor per layer (and so would torch.compile's partitioner). Saved: x (which the experts keep anyway:
-# the same storage), W, rstd and the logits (which the selection keeps: the same storage again).
-@torch.library.custom_op("sonic::prefix_centred_logits", mutates_args=())
+# the same storage), W, rstd and the logits (which the selection keeps: the same storage again). The ops' names
+# changed with their signatures: torch.compile's caches know a custom op by name, and a cache warmed by the
+# earlier ops (which saved no logits) called one signature with the other's arguments.
+@torch.library.custom_op("sonic::centred_router_logits", mutates_args=())
 def _centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
     return importlib.import_module(ops).prefix_centred_logits(x_TD, weight_ED, seq_len)
 
@@ -66,7 +68,7 @@ def _(x_TD, weight_ED, seq_len, ops):
     return x_TD.new_empty((x_TD.shape[0], weight_ED.shape[0]), dtype=acc), x_TD.new_empty((x_TD.shape[0],), dtype=acc)
 
 
-@torch.library.custom_op("sonic::prefix_centred_logits_backward", mutates_args=())
+@torch.library.custom_op("sonic::centred_router_logits_backward", mutates_args=())
 def _centred_logits_backward(dlogits_TE: Tensor, logits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor, rstd_T: Tensor,
                              seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
     return importlib.import_module(ops).prefix_centred_logits_backward(dlogits_TE, logits_TE, x_TD, weight_ED,

@@ -79,7 +79,9 @@ def test_triton_centring_matches_torch_in_the_interpreter():
 
 @pytest.mark.gpu
 def test_triton_centring_matches_torch_on_gpu(triton_device, poison):
-    check_parity("cuda", CASES + [(4, 4096, 1536)], num_experts=(16, 40, 128, 512))
+    check_parity("cuda", num_experts=(40,))
+    check_parity("cuda", [(2, 150, 100)], num_experts=(512,))  # the largest tiles' configuration
+    check_parity("cuda", [(4, 4096, 1536)], num_experts=(128,), dtypes=(torch.bfloat16,))  # sonic_7b's router
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
