@@ -314,6 +314,8 @@ E2E_1X_ADAMW, E2E_1X_ADAMW_TRITON = ("2026-11-24-1xh200-e2e-40L-adamw1pass.json"
                                     "2026-11-24-1xh200-e2e-40L-adamw1pass-triton.json")
 E2E_1X_CE_TRITON = "2026-11-24-1xh200-e2e-40L-ce-triton.json"
 E2E_1X_CLUSTERS = "2026-11-25-1xh200-e2e-40L.json"
+E2E_1X_CENTRING_BEFORE, E2E_1X_CENTRING_FUSED = ("2026-11-25-1xh200-e2e-40L-centring-before.json",
+                                                 "2026-11-25-1xh200-e2e-40L-centring-fused.json")
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
     Text("steps (averaged)", "steps_averaged"),
@@ -368,7 +370,11 @@ TABLES = (
                   "triton_40L"),
               e2e("the same job, `routing=token_rounding`", E2E_1X_CE_TRITON, "triton_token_rounding_40L"),
               e2e("recipe, one GPU, cute, top-K (the down and dX~ GEMMs in 2-CTA clusters, 192-wide tiles)",
-                  E2E_1X_CLUSTERS, "cute_40L"))),
+                  E2E_1X_CLUSTERS, "cute_40L"),
+              e2e("recipe, one GPU, cute, top-K, `d2e2b85`'s sonic/ (on another machine than the row above)",
+                  E2E_1X_CENTRING_BEFORE, "cute_40L"),
+              e2e("the same call and machine, the router's centred logits fused (c never in memory)",
+                  E2E_1X_CENTRING_FUSED, "cute_40L"))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),
@@ -427,13 +433,16 @@ TABLES = (
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
           "sonic-moe 0.1.2.post1 layer (router included), one H200, one process, seven interleaved rounds "
           "(`bench.moe_block`); × is Sonic over official, from the medians and from each side's best round. "
-          "`+compile` is the block as the trainer runs it (`torch.compile`). The first three rows: the down and dx "
+          "`+compile` is the block as the trainer runs it (`torch.compile`). The first three rows: the router's "
+          "centred logits fused (`183cc8b`), on a machine where the 7B block was host-bound (both sides 5.3–7.4 ms "
+          "per f+b, 3.5–4.4 ms in the other calls): its × is no kernel comparison. The next three: the down and dx "
           "kernels in 2-CTA clusters that multicast A, 192-wide ping-pong tiles (`db876d6`); the next six: before, "
           "the centring as one op; in the older rows the bench handed the block a 2-D input, so the "
           "centring read sequences of d tokens, not 4096 (the same work per token; fixed in `c2f35fb`).",
           rows=tuple(
-              Row(f"{config}, cute+compile", "bench/results/2026-11-25-h200-moe_block-compiled.json",
-                  {"config": config, "backend": "cute+compile"}) for config in ("7B", "30B", "OLMoE")) + tuple(
+              Row(f"{config}, cute+compile", f"bench/results/2026-11-25-h200-moe_block-compiled{suffix}.json",
+                  {"config": config, "backend": "cute+compile"})
+              for suffix in ("-centring", "") for config in ("7B", "30B", "OLMoE")) + tuple(
               Row(f"{config}, {backend}", f"bench/results/2026-11-24-h200-moe_block-{file}.json",
                   {"config": config, "backend": backend})
               for config, file, backend in (
