@@ -5,18 +5,21 @@ centred input c never reaches memory.
 c_t = x_t - M_t / n_t, with M_t the sum of the sequence's positions before t and n_t = max(t, 1), rounded to x's
 dtype; logits_t = (W c_t) * rstd_t, rstd_t = rsqrt(mean(c_t^2) + EPS).
 
-A tile is (sequence, chunk of BS positions) and loops over the features in blocks of BD. A block's M comes
-from the earlier chunks' sums (_chunk_sums_kernel, then _scan_kernel over the chunks) plus a cumsum inside
-the tile.
-  forward   chunk sums of x, scan; per tile: c, sum of c^2 and W c (tensor cores), then the logits.
+A tile is (sequence, chunk of BS positions) x (block of BD features). Its M is the earlier chunks' sum
+(_chunk_sums_kernel, then _scan_kernel over the chunks) plus the sum over the tile's earlier positions, a
+product with a 0/1 triangular matrix on tensor cores (tl.cumsum along the rows crossed warps and cost most).
+  forward   chunk sums of x, scan; per chunk, over the feature blocks: c, the sum of c^2 and W c (a dot),
+            then the logits. Each chunk reads all of W, so the chunks are as long as the accumulator allows.
   backward  with dz = dlogits * rstd and alpha = -<dlogits, W c> rstd^3 / D (the rms's part), the gradient on
             c is W^T dz + alpha c and dx = P^T of it, where (P^T g)_s = g_s - sum_{t>s} g_t / n_t. As
             P^T W^T dz = (P^T dz) W, only alpha c needs a scan over D; q = P^T dz is T x E, and dW = q^T x.
-            Chunk sums of x, scan; per tile, the chunk sums of dz / n and alpha c / n, reverse scans; per
-            tile, q and dx = q W + alpha c - (the later positions' alpha c / n); then dW = q^T x (one GEMM).
-x is read twice forward and three times backward (with the GEMM), where materialising c and dc read and
+            Chunk sums of x, scan; alpha and the chunk sums of dz / n, reverse scan, q (T x E only); per
+            tile, the chunk sums of alpha c / n, reverse scan; per tile, dx = q W + alpha c - (the later
+            positions' alpha c / n); then dW = q^T x (one GEMM).
+x is read twice forward and four times backward (with the GEMM), where materialising c and dc read and
 wrote eleven T x D tensors. Sums are fp32 in a fixed order (no atomics): deterministic. The launch
-configuration depends only on E: no autotuning.
+configuration depends only on E (64 x 64 tiles, 4 warps at E <= 128: the best of twelve at three shapes on
+an H200, bench/results/2026-11-25-h200-centring_sweep.json): no autotuning.
 """
 from __future__ import annotations
 
