@@ -184,6 +184,8 @@ def e2e_records(commands: dict[Path, str], nproc: int, gpu: str, skip: int, comm
                         "mfu_causal": state.get("mfu_causal"), "mfu": state.get("mfu"),
                         "micro_batch_size": _arg(command, "train.micro_batch_size"),
                         "seq_len": _arg(command, "train.seq_len"), "peak_mem_gib": state.get("mem_peak_gib"),
+                        # the caching allocator at the end: held memory, and its retries (each a device sync)
+                        "reserved_gib": last.get("mem_reserved_gib"), "alloc_retries": last.get("alloc_retries"),
                         "max_load_over_mean": loads, "steps": last["step"], "steps_averaged": state["steps_averaged"],
                         # routing health over the whole run, not only at its end: the worst layer at every log step
                         "max_load_over_mean_by_step": {r["step"]: r["expert_load_max_worst"] for r in rows

@@ -45,8 +45,13 @@ def speed_metrics(tokens_per_s_per_gpu: float, world_size: int, flops: TrainingF
         out["mfu_causal"] = tokens_per_s_per_gpu * flops.causal / peak
         out["mfu"] = tokens_per_s_per_gpu * flops.full / peak
     if device.type == "cuda":
-        mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
-        out["mem_peak_gib"] = all_reduce_(mem, "max").item()
+        # reserved: what the caching allocator holds; retries: its frees-and-retries on a failed cudaMalloc, each a
+        # device sync, the sign of a GPU too full for its batch (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+        stats = torch.cuda.memory_stats(device)
+        mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device)
+                            / 2**30, stats.get("num_alloc_retries", 0)], device=device, dtype=torch.float64)
+        peak_gib, reserved_gib, retries = all_reduce_(mem, "max").tolist()
+        out.update(mem_peak_gib=peak_gib, mem_reserved_gib=reserved_gib, alloc_retries=int(retries))
     return out
 
 

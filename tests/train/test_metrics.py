@@ -32,3 +32,14 @@ def test_trainer_logs_both_mfus(tmp_path):
     [*_, last] = train(cfg)
     assert last["mfu_causal"] == pytest.approx(last["tokens_per_s_per_gpu"] * flops.causal / 1e12)
     assert last["mfu"] == pytest.approx(last["tokens_per_s_per_gpu"] * flops.full / 1e12)
+
+
+@pytest.mark.gpu
+def test_speed_metrics_reports_the_allocator_on_a_gpu():
+    device = torch.device("cuda")
+    torch.cuda.reset_peak_memory_stats(device)
+    x = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)  # 64 MiB held by the caching allocator
+    out = speed_metrics(1000.0, 1, training_flops(compose_config("model=tiny").model, 128), None, device)
+    del x
+    assert out["mem_peak_gib"] >= 1 / 16 and out["mem_reserved_gib"] >= out["mem_peak_gib"]
+    assert out["alloc_retries"] == torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
