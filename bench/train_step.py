@@ -2,7 +2,8 @@
 
     python -m bench.train_step [--model sonic_7b] [--layers 4] [--backend triton] [--batch 4x4096]
 
-The step is the trainer's (bf16 autocast, fp32 master weights, the model's LM head + loss backend,
+The step is the trainer's on one GPU (bf16 autocast; bf16 weights with fp32 masters in triton's AdamW, or
+fp32 weights with --param-dtype fp32; the model's LM head + loss backend,
 grad clipping, AdamW), on random tokens, one GPU. Phases are timed with CUDA events
 (median of --steps after --warmup). The clip and the optimizer step are timed as the trainer runs them, for
 each AdamW implementation of optim.implementation asked for (--optimizers, on the same gradients): foreach
@@ -40,17 +41,25 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=25, help="kernels listed from the profile")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block, as parallel.compile")
-    ap.add_argument("--optimizers", default="foreach,fused",
+    ap.add_argument("--optimizers", default=None,
                     help=f"AdamW implementations timed, comma-separated, of {','.join(OPTIMIZERS)} (each keeps its "
-                         "own state: one fits the 40-layer sonic_7b on an H200, two do not; triton needs CUDA)")
+                         "own state: one fits the 40-layer sonic_7b on an H200, two do not; triton needs CUDA). "
+                         "Default: triton with --param-dtype bf16, else foreach,fused")
+    ap.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp32"),
+                    help="the weights' dtype on the GPU, as the trainer's parallel.param_dtype on one GPU: bf16 "
+                         "holds them in bf16 with fp32 masters in triton's AdamW; fp32 keeps them fp32 under autocast")
     ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script (timings meaningless)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     cuda = cuda_or_exit(args.device, "bench.train_step")
     B, S = (int(v) for v in args.batch.split("x"))
-    impls = args.optimizers.split(",")
+    masters = cuda and args.param_dtype == "bf16"  # the trainer's weights_dtype on one GPU
+    impls = (args.optimizers or ("triton" if masters else "foreach,fused")).split(",")
     if not impls or any(i not in OPTIMIZERS for i in impls):
         raise SystemExit(f"--optimizers {args.optimizers!r}: a comma-separated subset of {','.join(OPTIMIZERS)}")
+    if masters and impls != ["triton"]:
+        raise SystemExit("--param-dtype bf16 keeps fp32 masters in triton's AdamW only: --optimizers triton, or "
+                         "--param-dtype fp32 to time torch's")
     if "triton" in impls and not cuda:
         raise SystemExit("--optimizers triton needs a CUDA GPU")
     moe_overrides = {"kernel_backend": args.backend}
@@ -77,7 +86,8 @@ def main(argv=None):
         model.zero_grad(set_to_none=True)
         forward().backward()
 
-    optimizers = {impl: (TritonAdamW(params, lr=1e-4, weight_decay=0.1) if impl == "triton" else
+    optimizers = {impl: (TritonAdamW(params, lr=1e-4, weight_decay=0.1, compute_dtype=torch.bfloat16 if masters
+                                     else None) if impl == "triton" else
                          torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **{impl: True})) for impl in impls}
     fwd_bwd()
     for opt in optimizers.values():
@@ -119,7 +129,7 @@ def main(argv=None):
     path = result_path("train_step", args.json)
     write_json(path, {"model": args.model, "layers": args.layers, "backend": args.backend,
                       "routing": cfg.moe.routing.method, "batch": [B, S],
-                      "compile": args.compile,
+                      "compile": args.compile, "param_dtype": args.param_dtype if cuda else "fp32",
                       "phases_ms": ms, "steps": summary,
                       "kernels": [{"name": k, "ms": t, "count": n} for k, t, n in kernels[:100]]})
     print(f"\nwrote {path}")

@@ -15,6 +15,7 @@ torch installed (`require`).
 | recompute detection (routing)  | torch._C._current_graph_task_id                      | all    |
 | pytrees of our dataclasses     | torch.utils._pytree.register_dataclass               | all    |
 | checkpoint finiteness check    | torch._foreach_norm                                  | all    |
+| norms of bf16 grads and weights| torch._foreach_norm(dtype=float32)                   | all    |
 | optim.implementation=triton    | torch._foreach_add_ (the step counts)                | all    |
 | grouped_mm baseline backend    | torch._grouped_mm                                    | 2.8    |
 """
@@ -130,6 +131,11 @@ def register_pytree_dataclass(cls: type) -> type:
 def foreach_max_abs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each tensor's max |x| in one multi-tensor launch."""
     return torch._foreach_norm(tensors, float("inf"))
+
+
+def foreach_norm_fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's L2 norm, summed and returned in fp32 whatever its dtype, in one multi-tensor launch."""
+    return torch._foreach_norm(tensors, 2, dtype=torch.float32)
 
 
 def foreach_add_(tensors: list[torch.Tensor], other: torch.Tensor) -> None:

@@ -42,9 +42,9 @@ def spawn_ranks(worker, args: tuple, nprocs: int, timeout_s: float, what: str) -
 
 
 def patch_triton_interpreter() -> None:
-    """Let Triton's CPU interpreter (TRITON_INTERPRET=1) take int() of 1-element arrays under numpy >= 2.4, and
+    """Let Triton's CPU interpreter (TRITON_INTERPRET=1) take int() of 1-element arrays under numpy >= 2.4,
     multiply bf16 operands in tl.dot as numbers (it keeps bf16 as raw 16-bit integers, which np.matmul multiplied
-    as integers)."""
+    as integers), and round fp32 to bf16 to nearest even, as the GPU does (it truncated)."""
     import numpy as np
     import triton.language as tl
     import triton.runtime.interpreter as interp
@@ -63,6 +63,21 @@ def patch_triton_interpreter() -> None:
 
         create_dot._sonic_bf16 = True
         builder.create_dot = create_dot
+
+    if not getattr(builder.cast_impl, "_sonic_rtne", False):  # fp32 -> bf16 rounds to nearest even, as on a GPU
+        orig_cast = builder.cast_impl
+
+        def cast_impl(self, src, dst_type):
+            if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+                bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+                rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # finite values
+                return interp.TensorHandle(rounded, tl.bfloat16)
+            return orig_cast(self, src, dst_type)
+
+        cast_impl._sonic_rtne = True
+        builder.cast_impl = cast_impl
+        for name in ("create_fp_trunc", "create_fp_ext"):  # the lambdas that call it, bound anew
+            setattr(builder, name, lambda self, src, dst_type: self.cast_impl(src, dst_type))
 
     if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
         orig = interp._patch_lang_tensor

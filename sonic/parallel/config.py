@@ -15,7 +15,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP: replicas across nodes (1 = plain FSDP over all ranks)
     ep: int = 1  # expert parallelism: experts split over groups of `ep` adjacent ranks (inside a node), tokens all-to-all
     reshard_after_forward: bool = True  # False keeps gathered params until backward (more memory, less comm)
-    param_dtype: str = "bf16"  # FSDP mixed precision on GPU: compute dtype of gathered params
+    param_dtype: str = "bf16"  # GPU: the weights' dtype in forward and backward (FSDP gathers in it; one GPU holds it)
     reduce_dtype: str = "fp32"  # gradient reduce-scatter dtype
     activation_checkpoint: str = "none"  # none | full (every block) | selective (every `ac_every`-th block)
     ac_every: int = 2

@@ -78,6 +78,17 @@ def compile_enabled(cfg: ParallelConfig, device: torch.device) -> bool:
     return cfg.compile if cfg.compile is not None else device.type == "cuda"
 
 
+def weights_dtype(cfg: ParallelConfig, info: DistInfo, bf16_step: bool) -> torch.dtype | None:
+    """The dtype one GPU holds the weights in, fp32 masters in the optimizer (`build_optimizer`), or None: keep
+    them fp32. parallel.param_dtype is what the forward and backward read either way: FSDP-2 gathers its fp32
+    shards in it; one GPU has nothing to gather, so it holds the weights in it and saves the step's casts of
+    every weight and gradient (and runs the residual stream in it, as under FSDP). None with FSDP, off the GPU,
+    and where the step runs in fp32 (train.precision)."""
+    if info.mesh is not None or info.device.type != "cuda" or not bf16_step:
+        return None
+    return None if cfg.param_dtype == "fp32" else DTYPES[cfg.param_dtype]
+
+
 def parallelize(model: nn.Module, cfg: ParallelConfig, info: DistInfo) -> nn.Module:
     layers = model.layers
     compile_blocks = compile_enabled(cfg, info.device)

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from sonic import compat
 from sonic.models.loading import (UNTRUSTED, checkpoint_problems, complete_checkpoints, file_entry, find_cause,
                                   read_dcp)
+from sonic.train.optim import TritonAdamW
 
 log = logging.getLogger("sonic")
 # which rank wrote a file: DCP names its files __<rank>_<n>.distcp; ours are extra_rank<r>.pt
@@ -227,6 +228,22 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def state_dicts(model, optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DCP's (model, optimizer) state dicts, with an optimizer's fp32 master weights (`TritonAdamW`'s, one GPU
+    holding bf16 weights) standing as the model's weights and left out of the optimizer's state: a save writes
+    what fp32 weights would, and a load reads the weights into the masters in place (then set_state_dict rounds
+    them into the parameters). A checkpoint moves between the two ways of holding the weights unchanged."""
+    msd, osd = get_state_dict(model, optimizer)
+    masters = optimizer.masters() if isinstance(optimizer, TritonAdamW) else {}
+    if not masters:
+        return msd, osd
+    named = {_clean(name): p for name, p in model.named_parameters()}
+    assert set(named) <= set(msd), sorted(set(named) - set(msd))[:3]
+    msd = {**msd, **{name: masters[p] for name, p in named.items() if p in masters}}
+    osd = {**osd, "state": {k: {key: v for key, v in st.items() if key != "master"} for k, st in osd["state"].items()}}
+    return msd, osd
+
+
 class Checkpointer:
     def __init__(self, root: str | Path, keep_last: int):
         self.root = Path(root)
@@ -270,7 +287,7 @@ class Checkpointer:
                 error = err
         _raise_failures(_all_gather(_failure(error)), f"creating {tmp.name}")
 
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = state_dicts(model, optimizer)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
         buffers = {k: v.detach().cpu() for k, v in persistent_buffers(model).items()}
         error, hashes = None, {}
@@ -339,7 +356,7 @@ class Checkpointer:
         """Restore model and optimizer in place; return this rank's extra state (RNG applied)."""
         try:
             meta = json.loads((path / "meta.json").read_text())
-            msd, osd = get_state_dict(model, optimizer)
+            msd, osd = state_dicts(model, optimizer)
             state = {"model": msd, "optim": osd}
             read_dcp(state, path)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

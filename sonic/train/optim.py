@@ -56,14 +56,54 @@ class TritonAdamW(torch.optim.AdamW):
     """torch.optim.AdamW whose step is Sonic's Triton kernel (sonic/kernels/triton/adamw.py): one pass per
     parameter that also applies the gradient clip as a divisor (`grad_scale`) and skips on `found_inf`, the
     attributes torch's fused AdamW reads (GradScaler's protocol; `optimizer_step` sets them). Its state is
-    torch's (step, exp_avg, exp_avg_sq), so checkpoints move between it and torch's implementations."""
+    torch's (step, exp_avg, exp_avg_sq), so checkpoints move between it and torch's implementations.
 
-    def __init__(self, params, **kwargs):
+    compute_dtype (e.g. bf16; one GPU, see `weights_dtype`): the parameters are cast to it here, after an fp32
+    copy of each is kept as state["master"]. The forward and backward then run on them with no cast, their
+    gradients come in that dtype, and each step updates the master and writes it back rounded. The moments stay
+    fp32. A checkpoint holds the masters as the model's weights (`with_master_weights`), so it is the same as
+    one of fp32 weights, whichever way it moves."""
+
+    def __init__(self, params, compute_dtype: torch.dtype | None = None, **kwargs):
         super().__init__(params, foreach=None, fused=None, **kwargs)
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]:
                 raise ValueError("optim.implementation=triton is plain AdamW: no amsgrad, maximize, capturable "
                                  "or differentiable; use optim.implementation=fused for those")
+        if compute_dtype is not None:
+            for p in self._params():
+                assert p.dtype == torch.float32, p.dtype  # the master copies the weights as they were initialised
+                master = p.detach().clone()
+                # the whole state now, not at the first step: a checkpoint load reads into it in place
+                self.state[p].update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(master),
+                                     exp_avg_sq=torch.zeros_like(master), master=master)
+                p.data = p.data.to(compute_dtype)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def masters(self) -> dict[torch.Tensor, torch.Tensor]:
+        """{parameter: its fp32 master}, empty without compute_dtype."""
+        return {p: self.state[p]["master"] for p in self._params() if "master" in self.state[p]}
+
+    def load_state_dict(self, state_dict):
+        masters = self.masters()
+        if not masters:
+            return super().load_state_dict(state_dict)
+        # torch casts each loaded tensor to its parameter's dtype: it is shown the fp32 masters instead, so the
+        # moments stay fp32. A state without masters (a checkpoint's, see with_master_weights) keeps these.
+        shown = {p: p.data for p in masters}
+        for p, master in masters.items():
+            p.data = master
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            for p, data in shown.items():
+                p.data = data
+        for p, master in masters.items():
+            loaded = self.state[p].setdefault("master", master)
+            if loaded is not master:  # a state with its own masters: the parameter follows them
+                p.data.copy_(loaded)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -95,7 +135,7 @@ class TritonAdamW(torch.optim.AdamW):
             for p, state in todo:
                 adamw_(*(_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])), state["step"],
                        lr=group["lr"], weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                       grad_scale=grad_scale, found_inf=found_inf)
+                       grad_scale=grad_scale, found_inf=found_inf, master=state.get("master"))
         return loss
 
 
@@ -124,7 +164,9 @@ def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | 
             optimizer.__dict__.pop(name, None)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dtype | None = None) -> torch.optim.AdamW:
+    """AdamW over two groups (decay, no decay). compute_dtype: the model's weights become that dtype, with fp32
+    masters in the optimizer (`TritonAdamW`; `sonic.parallel.weights_dtype` says where)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -133,8 +175,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         (no_decay if is_vector_or_embedding and not cfg.decay_norms_and_embeddings else decay).append(p)
     groups = [{"params": decay}, {"params": no_decay}]
     implementation = resolve_implementation(cfg.implementation, decay + no_decay)
+    if compute_dtype is not None and implementation != "triton":
+        raise ValueError(f"optim.implementation={cfg.implementation} keeps no fp32 master weights, which one GPU "
+                         f"needs to hold its weights in parallel.param_dtype (bf16); use optim.implementation=triton "
+                         f"(auto), or set parallel.param_dtype=fp32 to keep fp32 weights cast per op by autocast")
     if implementation == "triton":
-        optimizer = TritonAdamW(groups, lr=cfg.lr)
+        optimizer = TritonAdamW(groups, lr=cfg.lr, compute_dtype=compute_dtype)
     else:
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, **_IMPLEMENTATION_FLAGS[implementation])
     apply_config(optimizer, cfg)
@@ -192,7 +238,10 @@ def global_norm(tensors) -> torch.Tensor:
     """The L2 norm of all of `tensors` together, over every shard, as a plain tensor (no host sync)."""
     norms = []
     for group in _by_mesh(tensors):
-        norm = torch.nn.utils.get_total_norm(group)
+        if isinstance(group[0], DTensor) or all(t.dtype == torch.float32 for t in group):
+            norm = torch.nn.utils.get_total_norm(group)
+        else:  # bf16 (one GPU's weights and gradients): summed in fp32, or the norm would keep 8 bits
+            norm = torch.linalg.vector_norm(torch.stack(compat.foreach_norm_fp32(group)))
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 

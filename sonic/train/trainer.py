@@ -24,7 +24,7 @@ from sonic.models import Transformer, param_counts, training_flops
 from sonic.models.hf import check_init_config
 from sonic.models.loading import complete_checkpoints, load_model
 from sonic.parallel import (PreemptionGuard, all_reduce_, build_model, init_distributed, load_full_state_dict,
-                            memory_after_init, set_gradient_sync)
+                            memory_after_init, set_gradient_sync, weights_dtype)
 from sonic.train.checkpoint import Checkpointer, check_run_dir
 from sonic.train.config import Config, check_resume_config, to_yaml
 from sonic.train.guard import NonFiniteGuard
@@ -41,11 +41,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def autocast_context(cfg: Config, device: torch.device):
+def step_precision(cfg: Config, device: torch.device) -> str:
+    """train.precision, with auto resolved: bf16 on a GPU, fp32 elsewhere."""
     precision = cfg.train.precision
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    if precision == "fp32":
+    return ("bf16" if device.type == "cuda" else "fp32") if precision == "auto" else precision
+
+
+def autocast_context(cfg: Config, device: torch.device):
+    if step_precision(cfg, device) == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
@@ -148,7 +151,8 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
         load_weights(model, t.init_from)
     init_memory = memory_after_init(model, info)  # logged with the first step
     counts = param_counts(cfg.model)
-    optimizer = build_optimizer(model, cfg.optim)
+    # one GPU: bf16 weights, fp32 masters in the optimizer (parallel.param_dtype; FSDP-2 does its own casting)
+    optimizer = build_optimizer(model, cfg.optim, weights_dtype(cfg.parallel, info, step_precision(cfg, device) == "bf16"))
     def recovery() -> str:
         newest = complete_checkpoints(ckpt.root)
         where = (f"train.resume=auto resumes from {newest[-1]}, the newest checkpoint" if newest else

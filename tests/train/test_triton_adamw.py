@@ -1,7 +1,8 @@
 """optim.implementation=triton (TritonAdamW, sonic/kernels/triton/adamw.py) takes torch's AdamW step: with the clip
 as its divisor, across param groups and tensor sizes that do and do not fill the kernel's blocks, over a skipped
-step, and across a checkpoint moved between it and torch's implementations. On the CPU through Triton's
-interpreter, and on the GPU; and torch's fused AdamW takes the clip as a divisor with the same result."""
+step, and across a checkpoint moved between it and torch's implementations; the same with bf16 parameters and
+fp32 masters (compute_dtype). On the CPU through Triton's interpreter, and on the GPU; and torch's fused AdamW
+takes the clip as a divisor with the same result."""
 import copy
 
 import pytest
@@ -80,11 +81,62 @@ def check(device: str) -> None:
         assert again.state[p]["step"].device == p.device and again.state[p]["step"].item() == 4
 
 
+def check_masters(device: str) -> None:
+    """compute_dtype=bf16: the parameters become bf16 and fp32 masters take torch's fp32 step on the same (bf16)
+    gradients; each parameter is its master rounded; a skipped step moves nothing; the state's round trips keep
+    the masters and fp32 moments."""
+    ref_params, our_params = _params(device), _params(device)
+    ref = torch.optim.AdamW(_groups(ref_params), foreach=False, **HYPER)
+    ours = TritonAdamW(_groups(our_params), compute_dtype=torch.bfloat16, **HYPER)
+    masters = ours.masters()
+    assert [masters[p] for p in our_params] and all(p.dtype == torch.bfloat16 for p in our_params)
+    for p, q in zip(our_params, ref_params):
+        assert masters[p].dtype == torch.float32 and torch.equal(masters[p], q) and torch.equal(p, q.bfloat16())
+    for seed, (max_norm, skipped) in enumerate(((1.0, False), (1e3, False), (1.0, True), (0.5, False))):
+        _set_grads(ref_params, seed)
+        for p, q in zip(our_params, ref_params):
+            p.grad = q.grad.bfloat16()  # what the backward of a bf16 weight gives
+            q.grad = p.grad.float()
+        norm, grad_scale = clip_grad_norm(our_params, max_norm, scale_in_step=True)
+        before = [masters[p].clone() for p in our_params]
+        optimizer_step(ours, grad_scale, found_inf=torch.tensor(float(skipped), device=device))
+        if skipped:
+            assert all(torch.equal(masters[p], b) for p, b in zip(our_params, before))
+            continue
+        torch.testing.assert_close(norm, clip_grad_norm(ref_params, max_norm)[0])
+        ref.step()
+        for p, q in zip(our_params, ref_params):
+            torch.testing.assert_close(masters[p], q, rtol=1e-5, atol=1e-6)
+            assert torch.equal(p, masters[p].bfloat16())  # the parameter is its master, rounded
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert ours.state[p][key].dtype == torch.float32
+                torch.testing.assert_close(ours.state[p][key], ref.state[q][key], rtol=1e-5, atol=1e-7)
+    assert max((masters[p] - q).abs().max().item() for p, q in zip(our_params, _params(device))) > 1e-3
+    # a state with masters: the fresh optimizer's parameters follow them; the moments stay fp32
+    again_params = _params(device)
+    again = TritonAdamW(_groups(again_params), compute_dtype=torch.bfloat16, **HYPER)
+    again.load_state_dict(copy.deepcopy(ours.state_dict()))
+    for p, q in zip(again_params, our_params):
+        assert torch.equal(again.masters()[p], masters[q]) and torch.equal(p, q)
+        assert again.state[p]["exp_avg_sq"].dtype == torch.float32
+        assert torch.equal(again.state[p]["exp_avg_sq"], ours.state[q]["exp_avg_sq"])
+    # torch's state (no masters): the masters stay, the moments come in fp32
+    theirs = torch.optim.AdamW(_groups(ref_params), foreach=False, **HYPER)
+    theirs.load_state_dict(copy.deepcopy(ref.state_dict()))
+    kept = {p: m.clone() for p, m in again.masters().items()}
+    again.load_state_dict(copy.deepcopy(theirs.state_dict()))
+    for p, q in zip(again_params, ref_params):
+        assert torch.equal(again.masters()[p], kept[p])
+        assert again.state[p]["exp_avg"].dtype == torch.float32 and torch.equal(again.state[p]["exp_avg"],
+                                                                                 ref.state[q]["exp_avg"])
+
+
 def _interpreter_main() -> None:
     from tests.helpers import patch_triton_interpreter
 
     patch_triton_interpreter()
     check("cpu")
+    check_masters("cpu")
     print("adamw interpreter ok")
 
 
@@ -95,6 +147,12 @@ def test_triton_adamw_takes_torchs_step_in_the_interpreter():
 @pytest.mark.gpu
 def test_triton_adamw_takes_torchs_step_on_the_gpu():
     check("cuda")
+    check_masters("cuda")
+
+
+def test_only_triton_keeps_master_weights():
+    with pytest.raises(ValueError, match="implementation=fused keeps no fp32 master weights.*param_dtype=fp32"):
+        build_optimizer(_model(), OptimConfig(implementation="fused"), compute_dtype=torch.bfloat16)
 
 
 def _model(device: str = "cpu") -> Transformer:

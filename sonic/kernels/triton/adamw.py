@@ -12,6 +12,11 @@ The arithmetic is torch's AdamW (torch/optim/adamw.py, fused and foreach agree t
 with t the step count after this step, read from the device (skipped steps do not advance it), and the bias
 corrections in fp32 (torch's fused kernel takes them in fp64: the updates agree to ~1e-7 relative).
 `found_inf` != 0 leaves everything untouched, as in torch's fused kernel.
+
+With `master` (an fp32 copy of a bf16 parameter, `TritonAdamW(compute_dtype=...)`), the arithmetic runs on the
+master, and the parameter is written as the master rounded to its dtype. With a bf16 gradient that is 28 bytes
+per weight as before, and the 12 bytes of casting each fp32 weight for the forward and its gradient back after
+the backward are gone.
 """
 from __future__ import annotations
 
@@ -27,9 +32,9 @@ WARPS = 8
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, skip_ptr, n,
+def _adamw_kernel(p_ptr, master_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, skip_ptr, n,
                   lr, weight_decay, beta1, beta2, log2_beta1, log2_beta2, eps,
-                  HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
+                  HAS_MASTER: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
     if HAS_SKIP:
         if tl.load(skip_ptr) != 0:
             return
@@ -41,13 +46,18 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, skip_ptr, n,
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         g = g / tl.load(scale_ptr).to(tl.float32)
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MASTER:
+        p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    else:
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     p = p - lr * weight_decay * p
     m = m + (1.0 - beta1) * (g - m)
     v = beta2 * v + (1.0 - beta2) * g * g
     p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
+    if HAS_MASTER:
+        tl.store(master_ptr + offs, p, mask=mask)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
@@ -59,16 +69,19 @@ def _log2(beta: float) -> float:
 
 def adamw_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, *, lr: float,
            weight_decay: float, beta1: float, beta2: float, eps: float, grad_scale: Tensor | None = None,
-           found_inf: Tensor | None = None) -> None:
+           found_inf: Tensor | None = None, master: Tensor | None = None) -> None:
     """One AdamW step of `param` in place (and of its moments). `step`: this parameter's step count after
     this step, a 0-d tensor on its device; `grad_scale`: a 0-d divisor of the gradient (the clip);
-    `found_inf`: a 0-d flag, nonzero to leave everything as it is."""
-    assert param.is_contiguous() and grad.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous()
-    assert param.shape == grad.shape == exp_avg.shape == exp_avg_sq.shape and step.numel() == 1
+    `found_inf`: a 0-d flag, nonzero to leave everything as it is; `master`: param's fp32 master copy, which
+    takes the step (param gets it rounded)."""
+    tensors = (param, grad, exp_avg, exp_avg_sq) + (() if master is None else (master,))
+    assert all(t.is_contiguous() and t.shape == param.shape for t in tensors) and step.numel() == 1
+    assert master is None or master.dtype == torch.float32
     n = param.numel()
     if n == 0:
         return
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        param, grad, exp_avg, exp_avg_sq, step, grad_scale if grad_scale is not None else step,
-        found_inf if found_inf is not None else step, n, lr, weight_decay, beta1, beta2, _log2(beta1), _log2(beta2),
-        eps, HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, BLOCK=BLOCK, num_warps=WARPS)
+        param, master if master is not None else param, grad, exp_avg, exp_avg_sq, step,
+        grad_scale if grad_scale is not None else step, found_inf if found_inf is not None else step, n, lr,
+        weight_decay, beta1, beta2, _log2(beta1), _log2(beta2), eps, HAS_MASTER=master is not None,
+        HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, BLOCK=BLOCK, num_warps=WARPS)
