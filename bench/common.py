@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -167,6 +168,37 @@ def median_ms(fn: Callable[[], object], steps: int, warmup: int, cuda: bool) -> 
         if i >= warmup:
             times.append(ms)
     return statistics.median(times)
+
+
+def host_bound(fn: Callable[[], object], steps: int) -> dict[str, float]:
+    """Whether fn() waits on the host, on a GPU (after warm-up): the medians of the milliseconds the CPU takes to
+    issue it and until the GPU has finished it, the cudaMalloc and cudaFree calls per call (each of which
+    synchronises the device), and the synchronising calls torch's sync debug mode flags in one call. Issue time near the wall time: the GPU waits for the CPU (launch overhead, or a
+    sync inside fn); much lower: the GPU is the bound."""
+    issue, wall, mallocs = [], [], []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        after = torch.cuda.memory_stats()
+        issue.append(1e3 * (t1 - t0))
+        wall.append(1e3 * (t2 - t0))
+        mallocs.append(sum(after.get(k, 0) - before.get(k, 0) for k in ("num_device_alloc", "num_device_free")))
+    with warnings.catch_warnings(record=True) as syncs:  # what torch's sync debug mode flags in one more call
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return {"issue_ms": statistics.median(issue), "wall_ms": statistics.median(wall),
+            "device_mallocs_and_frees": statistics.median(mallocs),
+            "syncs": sum("synchroniz" in str(w.message) for w in syncs)}
 
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], grad_to_none: dict[str, Sequence[torch.Tensor]],

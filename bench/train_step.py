@@ -2,15 +2,15 @@
 
     python -m bench.train_step [--model sonic_7b] [--layers 4] [--backend triton] [--batch 4x4096]
 
-The step is the trainer's on one GPU (bf16 autocast; bf16 weights with fp32 masters in triton's AdamW, or
-fp32 weights with --param-dtype fp32; the model's LM head + loss backend,
-grad clipping, AdamW), on random tokens, one GPU. Phases are timed with CUDA events
-(median of --steps after --warmup). The clip and the optimizer step are timed as the trainer runs them, for
-each AdamW implementation of optim.implementation asked for (--optimizers, on the same gradients): foreach
-clips the gradients in place first; fused and triton take the clip as a divisor in their step. Each keeps its
-own state (`--optimizers fused` for one: the 40-layer sonic_7b holds only one on an H200). Then one step under
-torch.profiler lists the CUDA kernels that take the most time. Writes --json (default
-bench/results/<date>-<gpu>-train_step.json).
+The step is the trainer's on one GPU (bf16 autocast; bf16 weights with fp32 masters in triton's AdamW, or fp32
+weights with --param-dtype fp32; the model's LM head + loss backend, grad clipping, AdamW), on random tokens.
+Phases are timed with CUDA events (median of --steps after --warmup), and on a GPU each is asked whether the CPU
+issuing it is the bound (`host`: issue time against wall time, and the cudaMalloc/cudaFree calls). The clip and
+the optimizer step are timed as the trainer runs them, for each AdamW implementation of optim.implementation
+asked for (--optimizers, on the same gradients): foreach clips the gradients in place first; fused and triton
+take the clip as a divisor in their step. Each keeps its own state (`--optimizers fused` for one: the 40-layer
+sonic_7b holds only one on an H200). Then one step under torch.profiler lists the CUDA kernels that take the
+most time. Writes --json (default bench/results/<date>-<gpu>-train_step.json).
 `--device cpu` smoke-tests the script (fp32, wall-clock timings, CPU operators: meaningless numbers).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import contextlib
 
 import torch
 
-from bench.common import cuda_or_exit, kernel_times, median_ms, profiled, result_path, write_json
+from bench.common import cuda_or_exit, host_bound, kernel_times, median_ms, profiled, result_path, write_json
 from sonic.models import flops_per_token
 from sonic.models.presets import load_preset
 from sonic.models.moe import MoE
@@ -120,6 +120,15 @@ def main(argv=None):
         print(f"  step with {impl:>7} AdamW: {v:8.2f} ms = {tps / 1e3:.1f}k tokens/s, "
               f"{tps * fpt / 1e12:.0f} TFLOP/s by our FLOPs/token")
 
+    host = {}
+    if cuda:  # is the step bound by the CPU issuing it? (print before the profile: it is the question asked first)
+        host = {name: host_bound(fn, args.steps) for name, fn in
+                (("forward + backward", fwd_bwd), (f"clip + AdamW step, {impls[0]}", lambda: clip_and_step(
+                    optimizers[impls[0]])))}
+        for name, h in host.items():
+            print(f"  {name:>26}: CPU issues it in {h['issue_ms']:.1f} ms, the GPU ends at {h['wall_ms']:.1f} ms; "
+                  f"{h['device_mallocs_and_frees']:.0f} cudaMalloc/cudaFree calls, {h['syncs']} syncs flagged")
+
     _, prof = profiled(lambda: (fwd_bwd(), clip_and_step(optimizers[impls[0]])), cuda)
     kernels = kernel_times(prof, cuda)
     total = sum(k[1] for k in kernels)
@@ -130,7 +139,7 @@ def main(argv=None):
     write_json(path, {"model": args.model, "layers": args.layers, "backend": args.backend,
                       "routing": cfg.moe.routing.method, "batch": [B, S],
                       "compile": args.compile, "param_dtype": args.param_dtype if cuda else "fp32",
-                      "phases_ms": ms, "steps": summary,
+                      "phases_ms": ms, "steps": summary, "host": host,
                       "kernels": [{"name": k, "ms": t, "count": n} for k, t, n in kernels[:100]]})
     print(f"\nwrote {path}")
 
