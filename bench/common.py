@@ -173,7 +173,7 @@ def median_ms(fn: Callable[[], object], steps: int, warmup: int, cuda: bool) -> 
 def host_bound(fn: Callable[[], object], steps: int) -> dict[str, float]:
     """Whether fn() waits on the host, on a GPU (after warm-up): the medians of the milliseconds the CPU takes to
     issue it and until the GPU has finished it, the cudaMalloc and cudaFree calls per call (each of which
-    synchronises the device), and the synchronising calls torch's sync debug mode flags in one call. Issue time near the wall time: the GPU waits for the CPU (launch overhead, or a
+    synchronises the device), and where torch's sync debug mode flags a synchronising call in one more call. Issue time near the wall time: the GPU waits for the CPU (launch overhead, or a
     sync inside fn); much lower: the GPU is the bound."""
     issue, wall, mallocs = [], [], []
     for _ in range(steps):
@@ -198,7 +198,7 @@ def host_bound(fn: Callable[[], object], steps: int) -> dict[str, float]:
     torch.cuda.synchronize()
     return {"issue_ms": statistics.median(issue), "wall_ms": statistics.median(wall),
             "device_mallocs_and_frees": statistics.median(mallocs),
-            "syncs": sum("synchroniz" in str(w.message) for w in syncs)}
+            "syncs": [f"{w.filename}:{w.lineno}" for w in syncs if "synchroniz" in str(w.message)]}
 
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], grad_to_none: dict[str, Sequence[torch.Tensor]],

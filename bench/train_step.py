@@ -127,7 +127,7 @@ def main(argv=None):
                     optimizers[impls[0]])))}
         for name, h in host.items():
             print(f"  {name:>26}: CPU issues it in {h['issue_ms']:.1f} ms, the GPU ends at {h['wall_ms']:.1f} ms; "
-                  f"{h['device_mallocs_and_frees']:.0f} cudaMalloc/cudaFree calls, {h['syncs']} syncs flagged")
+                  f"{h['device_mallocs_and_frees']:.0f} cudaMalloc/cudaFree calls, syncs flagged at {h['syncs']}")
 
     _, prof = profiled(lambda: (fwd_bwd(), clip_and_step(optimizers[impls[0]])), cuda)
     kernels = kernel_times(prof, cuda)
