@@ -102,16 +102,17 @@ def test_a_checkpoint_with_masters_resumes_exactly_either_way(tmp_path):
         assert torch.equal(back_opt.masters()[p], q) and torch.equal(p, q.bfloat16())
 
 
-@pytest.mark.parametrize(("device", "mesh", "param_dtype", "bf16_step", "expected"), [
-    ("cuda", None, "bf16", True, torch.bfloat16),  # one GPU: bf16 weights, fp32 masters
-    ("cuda", None, "fp32", True, None),  # asked for fp32 weights
-    ("cuda", None, "bf16", False, None),  # train.precision=fp32: the step reads fp32 weights
-    ("cuda", "a mesh", "bf16", True, None),  # FSDP-2 casts as it gathers
-    ("cpu", None, "bf16", True, None),  # CPU runs stay fp32
+@pytest.mark.parametrize(("device", "mesh", "param_dtype", "bf16_step", "grad_accum", "expected"), [
+    ("cuda", None, "bf16", True, 1, torch.bfloat16),  # one GPU: bf16 weights, fp32 masters
+    ("cuda", None, "fp32", True, 1, None),  # asked for fp32 weights
+    ("cuda", None, "bf16", False, 1, None),  # train.precision=fp32: the step reads fp32 weights
+    ("cuda", None, "bf16", True, 2, None),  # micro-batch gradients are summed in fp32
+    ("cuda", "a mesh", "bf16", True, 1, None),  # FSDP-2 casts as it gathers
+    ("cpu", None, "bf16", True, 1, None),  # CPU runs stay fp32
 ])
-def test_where_one_gpu_holds_bf16_weights(device, mesh, param_dtype, bf16_step, expected):
+def test_where_one_gpu_holds_bf16_weights(device, mesh, param_dtype, bf16_step, grad_accum, expected):
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device(device), mesh=mesh)
-    assert weights_dtype(ParallelConfig(param_dtype=param_dtype), info, bf16_step) == expected
+    assert weights_dtype(ParallelConfig(param_dtype=param_dtype), info, bf16_step, grad_accum) == expected
 
 
 @pytest.mark.gpu
