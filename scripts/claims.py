@@ -316,6 +316,8 @@ E2E_1X_CE_TRITON = "2026-11-24-1xh200-e2e-40L-ce-triton.json"
 E2E_1X_CLUSTERS = "2026-11-25-1xh200-e2e-40L.json"
 E2E_1X_CENTRING_BEFORE, E2E_1X_CENTRING_FUSED = ("2026-11-25-1xh200-e2e-40L-centring-before.json",
                                                  "2026-11-25-1xh200-e2e-40L-centring-fused.json")
+E2E_1X_WEIGHTS = {f"{dtype}-{n}": f"2026-11-25-1xh200-e2e-40L-{dtype}weights-{n}.json" for dtype in ("fp32", "bf16")
+                  for n in (1, 2)}
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
     Text("steps (averaged)", "steps_averaged"),
@@ -374,7 +376,12 @@ TABLES = (
               e2e("recipe, one GPU, cute, top-K, `d2e2b85`'s sonic/ (on another machine than the row above)",
                   E2E_1X_CENTRING_BEFORE, "cute_40L"),
               e2e("the same call and machine, the router's centred logits fused (c never in memory)",
-                  E2E_1X_CENTRING_FUSED, "cute_40L"))),
+                  E2E_1X_CENTRING_FUSED, "cute_40L"),
+              e2e("recipe, one GPU, cute, top-K, fp32 weights under autocast (`7e1700a`'s sonic/; first of four runs "
+                  "in one call, on one machine)", E2E_1X_WEIGHTS["fp32-1"], "cute_40L"),
+              e2e("bf16 weights with fp32 masters in AdamW (second run)", E2E_1X_WEIGHTS["bf16-1"], "cute_40L"),
+              e2e("fp32 weights again (third run)", E2E_1X_WEIGHTS["fp32-2"], "cute_40L"),
+              e2e("bf16 weights again (fourth run)", E2E_1X_WEIGHTS["bf16-2"], "cute_40L"))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),
