@@ -173,8 +173,8 @@ def median_ms(fn: Callable[[], object], steps: int, warmup: int, cuda: bool) -> 
 def host_bound(fn: Callable[[], object], steps: int) -> dict[str, float]:
     """Whether fn() waits on the host, on a GPU (after warm-up): the medians of the milliseconds the CPU takes to
     issue it and until the GPU has finished it, the cudaMalloc and cudaFree calls per call (each of which
-    synchronises the device), and where torch's sync debug mode flags a synchronising call in one more call. Issue time near the wall time: the GPU waits for the CPU (launch overhead, or a
-    sync inside fn); much lower: the GPU is the bound."""
+    synchronises the device), and where one more call synchronises (`sync_sites`). Issue time near the wall
+    time: the GPU waits for the CPU (launch overhead, or a sync inside fn); much lower: the GPU is the bound."""
     issue, wall, mallocs = [], [], []
     for _ in range(steps):
         torch.cuda.synchronize()
@@ -188,7 +188,15 @@ def host_bound(fn: Callable[[], object], steps: int) -> dict[str, float]:
         issue.append(1e3 * (t1 - t0))
         wall.append(1e3 * (t2 - t0))
         mallocs.append(sum(after.get(k, 0) - before.get(k, 0) for k in ("num_device_alloc", "num_device_free")))
-    with warnings.catch_warnings(record=True) as syncs:  # what torch's sync debug mode flags in one more call
+    return {"issue_ms": statistics.median(issue), "wall_ms": statistics.median(wall),
+            "device_mallocs_and_frees": statistics.median(mallocs), "syncs": sync_sites(fn)}
+
+
+def sync_sites(fn: Callable[[], object]) -> list[str]:
+    """file:line of each synchronising CUDA call fn() makes, as torch's sync debug mode warns of them (a sync in
+    the backward's C++ threads is reported at the next line that enters torch)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -196,9 +204,7 @@ def host_bound(fn: Callable[[], object], steps: int) -> dict[str, float]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    return {"issue_ms": statistics.median(issue), "wall_ms": statistics.median(wall),
-            "device_mallocs_and_frees": statistics.median(mallocs),
-            "syncs": [f"{w.filename}:{w.lineno}" for w in syncs if "synchroniz" in str(w.message)]}
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing CUDA operation" in str(w.message)]
 
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], grad_to_none: dict[str, Sequence[torch.Tensor]],

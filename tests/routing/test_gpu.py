@@ -1,11 +1,10 @@
 """On CUDA: routing matches the CPU and does not synchronise with the host where it need not."""
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
+from bench.common import sync_sites
 from sonic.routing import Router, RoutingConfig
 
 pytestmark = pytest.mark.gpu
@@ -23,16 +22,8 @@ def _router(cfg, device, seed=0):
 
 
 def _syncs(fn) -> int:
-    """How many synchronising CUDA calls fn makes (torch's sync debug mode, counted as warnings)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing CUDA operation" in str(w.message) for w in caught)
+    """How many synchronising CUDA calls fn makes (torch's sync debug mode)."""
+    return len(sync_sites(fn))
 
 
 @pytest.mark.parametrize("cfg", CONFIGS + ROUNDING, ids=lambda c: "-".join(str(v) for v in c.values()))

@@ -5,20 +5,16 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from sonic.models import ModelConfig, MoEConfig, Transformer
 from sonic.models.loading import read_dcp
 from sonic.parallel import DistInfo, ParallelConfig, weights_dtype
 from sonic.train.checkpoint import Checkpointer
 from sonic.train.optim import TritonAdamW, build_optimizer
 from tests.helpers import compose_config
+from tests.train.test_guard import tiny
 
 
-def _model() -> Transformer:
-    cfg = ModelConfig(vocab_size=32, dim=16, num_layers=1, num_heads=2,
-                      moe=MoEConfig(num_experts=4, top_k=2, expert_dim=8, kernel_backend="reference"))
-    model = Transformer(cfg)
-    model.init_weights(seed=0)
-    return model
+def _model():
+    return tiny()  # fp32, reference experts
 
 
 def _groups(model):
