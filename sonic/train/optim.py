@@ -61,8 +61,8 @@ class TritonAdamW(torch.optim.AdamW):
     compute_dtype (e.g. bf16; one GPU, see `weights_dtype`): the parameters are cast to it here, after an fp32
     copy of each is kept as state["master"]. The forward and backward then run on them with no cast, their
     gradients come in that dtype, and each step updates the master and writes it back rounded. The moments stay
-    fp32. A checkpoint holds the masters as the model's weights (`with_master_weights`), so it is the same as
-    one of fp32 weights, whichever way it moves."""
+    fp32. A checkpoint holds the masters as the model's weights (`sonic.train.checkpoint.state_dicts`), so it is
+    the same as one of fp32 weights, whichever way it moves."""
 
     def __init__(self, params, compute_dtype: torch.dtype | None = None, **kwargs):
         super().__init__(params, foreach=None, fused=None, **kwargs)
@@ -91,7 +91,7 @@ class TritonAdamW(torch.optim.AdamW):
         if not masters:
             return super().load_state_dict(state_dict)
         # torch casts each loaded tensor to its parameter's dtype: it is shown the fp32 masters instead, so the
-        # moments stay fp32. A state without masters (a checkpoint's, see with_master_weights) keeps these.
+        # moments stay fp32. A state without masters (a checkpoint's, see checkpoint.state_dicts) keeps these.
         shown = {p: p.data for p in masters}
         for p, master in masters.items():
             p.data = master

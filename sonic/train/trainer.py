@@ -152,8 +152,8 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
     init_memory = memory_after_init(model, info)  # logged with the first step
     counts = param_counts(cfg.model)
     # one GPU: bf16 weights, fp32 masters in the optimizer (parallel.param_dtype; FSDP-2 does its own casting)
-    optimizer = build_optimizer(model, cfg.optim, weights_dtype(cfg.parallel, info, step_precision(cfg, device) == "bf16",
-                                                                t.grad_accum))
+    compute_dtype = weights_dtype(cfg.parallel, info, step_precision(cfg, device) == "bf16", t.grad_accum)
+    optimizer = build_optimizer(model, cfg.optim, compute_dtype)
     if info.is_main and isinstance(optimizer, TritonAdamW) and optimizer.masters():
         log.info("weights held in %s with fp32 masters in the optimizer (one GPU, parallel.param_dtype)",
                  cfg.parallel.param_dtype)
