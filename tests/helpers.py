@@ -75,9 +75,7 @@ def patch_triton_interpreter() -> None:
             return orig_cast(self, src, dst_type)
 
         cast_impl._sonic_rtne = True
-        builder.cast_impl = cast_impl
-        for name in ("create_fp_trunc", "create_fp_ext"):  # the lambdas that call it, bound anew
-            setattr(builder, name, lambda self, src, dst_type: self.cast_impl(src, dst_type))
+        builder.cast_impl = cast_impl  # create_fp_trunc and the other casts look it up on the builder
 
     if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
         orig = interp._patch_lang_tensor

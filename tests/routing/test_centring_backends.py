@@ -1,8 +1,8 @@
 """The triton routing backend's prefix centring (sonic/kernels/triton/centring.py) against the definition
 (sonic/routing/scores.py): the logits and rstd, the backward, and the router's logits and gradients through
-autograd, for sequences, feature widths and expert counts that do and do not fill the kernels' tiles. On the GPU with every output
-buffer poisoned, and on the CPU through Triton's interpreter (TRITON_INTERPRET=1). bf16 is compared to within
-one bf16 step of c, relative to the largest value."""
+autograd, for sequences, feature widths and expert counts that do and do not fill the kernels' tiles. On the
+GPU with every output buffer poisoned, and on the CPU through Triton's interpreter (TRITON_INTERPRET=1). bf16
+is compared to within one bf16 step of c, relative to the largest value."""
 from __future__ import annotations
 
 import itertools
@@ -34,8 +34,8 @@ def check_parity(device: str, cases=CASES, dtypes=(torch.float32, torch.bfloat16
         gen = torch.Generator().manual_seed(seed + 1)
         w = (torch.randn(E, D, generator=gen) * D ** -0.5).to(dtype).to(device)
         dlogits = torch.randn(B * S, E, generator=gen).to(device)
-        # fp32: sums of up to 4096 in another order; bf16: c within one rounding step (the interpreter's casts
-        # truncate, and on the GPU the definition's cumsum adds in another order), which moves W c by about that
+        # fp32: sums of up to 4096 in another order; bf16: c within one rounding step (the definition's cumsum adds
+        # in another order, so a value near a rounding midpoint may round the other way), which moves W c by that
         tol = 1e-4 if dtype == torch.float32 else 2e-2
 
         def close(got, want, field):
