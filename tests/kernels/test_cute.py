@@ -29,6 +29,15 @@ def test_explicit_request_names_the_reason_on_cpu():
         resolve_backend("cute", torch.device("cpu"))
 
 
+def test_cpu_tensors_get_a_clear_error_without_cutlass():
+    from sonic.kernels import cute
+
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    plan = plan_from_topk(torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1), 2)
+    with pytest.raises(ValueError, match="cute backend needs CUDA tensors.*kernel_backend=reference"):
+        cute.experts(x, torch.zeros(2, 16, 8, dtype=torch.bfloat16), torch.zeros(2, 8, 8, dtype=torch.bfloat16), plan)
+
+
 # --------------------------------------------------------------------------- GPU helpers
 def _gpu_reason() -> str | None:
     if not torch.cuda.is_available():

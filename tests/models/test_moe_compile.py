@@ -85,3 +85,51 @@ def test_block_compiles_with_inductor_on_gpu(routing):
         torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
         assert torch.equal(got[1], want[1])
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cute"])
+def test_transformer_block_is_one_graph_with_each_kernel_backend(backend):
+    """The trainer compiles each block without fullgraph (sonic/parallel/parallelize.py), so a graph break inside
+    an expert backend splits every block silently. The cute backend's check of its own availability on each call
+    (importlib's find_spec) did: five graphs per layer, each with its own host overhead, and no fusion across."""
+    from sonic.kernels import resolve_backend
+    from sonic.models import ModelConfig, Transformer
+    from sonic.models.presets import load_preset
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        resolve_backend(backend, device)
+    except ValueError as err:
+        pytest.skip(str(err))
+    # sonic_7b's block (its routing: prefix centring, aux loss, expert bias) at the cute tests' kernel shapes
+    cfg = ModelConfig(vocab_size=128, dim=256, num_layers=1, num_heads=4, max_seq_len=256, qk_norm="full",
+                      tie_embeddings=True,
+                      moe=MoEConfig(num_experts=8, top_k=2, expert_dim=128, shared_expert_dim=64,
+                                    kernel_backend=backend, routing=load_preset("sonic_7b").moe.routing))
+    torch._dynamo.reset()
+    eager, compiled = (Transformer(cfg).to(device) for _ in range(2))
+    for model in (eager, compiled):
+        model.init_weights(seed=0)
+        model.layers[0].ffn.resolve_backends(device)
+    counter = CompileCounterWithBackend("inductor")
+    compiled.layers[0].compile(backend=counter, fullgraph=True)  # fullgraph: a graph break is an error
+    counts = set()
+    for i in range(3):
+        ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(i)).to(device)
+        ids[:, ::2] = i  # skews the routing differently each time
+        got, want = [], []
+        for model, into in ((eager, want), (compiled, got)):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(ids, labels_BS=ids)
+            (out.loss + out.router_loss).backward()
+            into += [out.loss.detach(), model.layers[0].ffn.w1_EFD.grad, out.routed[0].counts_E]
+        counts.add(tuple(got[2].tolist()))
+        torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=0)
+        assert (got[1] - want[1]).norm() <= 5e-2 * want[1].norm()
+    assert len(counts) == 3, "the routing counts must change for the test to mean anything"
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs: the changing counts recompiled"
+    torch._dynamo.reset()

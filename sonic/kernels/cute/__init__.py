@@ -109,9 +109,11 @@ def backward(*args):
 
 def experts(x_TD: Tensor, w1_EFD: Tensor, w2_EDN: Tensor, plan: RoutingPlan,
             b1_EF: Tensor | None = None, b2_ED: Tensor | None = None) -> Tensor:
-    reason = unavailable_reason(x_TD.device)
-    if reason is not None:
-        raise ValueError(f"kernel_backend 'cute' cannot run: {reason}")
-    from sonic.kernels.cute.function import experts as _experts
+    # The registry checked unavailable_reason when it resolved the backend. Checking it again here broke every
+    # compiled block's graph (find_spec is not traceable): five graphs per layer, each with its own host overhead.
+    if x_TD.device.type != "cuda":
+        raise ValueError(f"the cute backend needs CUDA tensors, got x_TD on {x_TD.device}; "
+                         f"use kernel_backend=reference (or auto) on {x_TD.device.type}")
+    from sonic.kernels.cute.function import experts as _experts  # needs cutlass
 
     return _experts(x_TD, w1_EFD, w2_EDN, plan, b1_EF, b2_ED)

@@ -227,6 +227,7 @@ DEFAULTS = {"up": "co256", "down": ("pp192c2", "co256c2"), "dh": "pp128", "dx": 
 SHORT_K = 512
 
 
+@functools.lru_cache(maxsize=None)  # looked up at every launch
 def default_config(kind: str, D: int, N: int) -> Config:
     """Per-kernel tile configuration; 256-wide cooperative tiles only where they divide N."""
     entry = DEFAULTS[kind]
