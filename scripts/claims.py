@@ -318,6 +318,8 @@ E2E_1X_CENTRING_BEFORE, E2E_1X_CENTRING_FUSED = ("2026-11-25-1xh200-e2e-40L-cent
                                                  "2026-11-25-1xh200-e2e-40L-centring-fused.json")
 E2E_1X_WEIGHTS = {f"{dtype}-{n}": f"2026-11-25-1xh200-e2e-40L-{dtype}weights-{n}.json" for dtype in ("fp32", "bf16")
                   for n in (1, 2)}
+E2E_1X_GRAPHS = {f"{kind}-{n}": f"2026-11-25-1xh200-e2e-40L-{kind}-{n}.json" for kind in ("onegraph", "fivegraphs")
+                 for n in (1, 2)}
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
     Text("steps (averaged)", "steps_averaged"),
@@ -381,7 +383,14 @@ TABLES = (
                   "in one call, on one machine)", E2E_1X_WEIGHTS["fp32-1"], "cute_40L"),
               e2e("bf16 weights with fp32 masters in AdamW (second run)", E2E_1X_WEIGHTS["bf16-1"], "cute_40L"),
               e2e("fp32 weights again (third run)", E2E_1X_WEIGHTS["fp32-2"], "cute_40L"),
-              e2e("bf16 weights again (fourth run)", E2E_1X_WEIGHTS["bf16-2"], "cute_40L"))),
+              e2e("bf16 weights again (fourth run)", E2E_1X_WEIGHTS["bf16-2"], "cute_40L"),
+              e2e("recipe, one GPU, cute, top-K, each block one compiled graph (the cute experts no longer check "
+                  "their availability per call; first of four runs in one call, on one machine)",
+                  E2E_1X_GRAPHS["onegraph-1"], "cute_40L"),
+              e2e("five graphs per block, as before (`c2295dd`'s sonic/; second run)", E2E_1X_GRAPHS["fivegraphs-1"],
+                  "cute_40L"),
+              e2e("one graph again (third run)", E2E_1X_GRAPHS["onegraph-2"], "cute_40L"),
+              e2e("five graphs again (fourth run)", E2E_1X_GRAPHS["fivegraphs-2"], "cute_40L"))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),
