@@ -449,8 +449,9 @@ TABLES = (
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
           "sonic-moe 0.1.2.post1 layer (router included), one H200, one process, seven interleaved rounds "
           "(`bench.moe_block`); × is Sonic over official, from the medians and from each side's best round. "
-          "`+compile` is the block as the trainer runs it (`torch.compile`). The first three rows: the router's "
-          "centred logits fused (`183cc8b`), on a machine where the 7B block was host-bound (both sides 5.3–7.4 ms "
+          "`+compile` is the block as the trainer runs it (`torch.compile`). The first three rows: the block one "
+          "compiled graph (`6dc2dbb`; before, the cute experts broke it at a per-call availability check). The next "
+          "three: the router's centred logits fused (`183cc8b`), on a machine where the 7B block was host-bound (both sides 5.3–7.4 ms "
           "per f+b, 3.5–4.4 ms in the other calls): its × is no kernel comparison. The next three: the down and dx "
           "kernels in 2-CTA clusters that multicast A, 192-wide ping-pong tiles (`db876d6`); the next six: before, "
           "the centring as one op; in the older rows the bench handed the block a 2-D input, so the "
@@ -458,7 +459,7 @@ TABLES = (
           rows=tuple(
               Row(f"{config}, cute+compile", f"bench/results/2026-11-25-h200-moe_block-compiled{suffix}.json",
                   {"config": config, "backend": "cute+compile"})
-              for suffix in ("-centring", "") for config in ("7B", "30B", "OLMoE")) + tuple(
+              for suffix in ("-onegraph", "-centring", "") for config in ("7B", "30B", "OLMoE")) + tuple(
               Row(f"{config}, {backend}", f"bench/results/2026-11-24-h200-moe_block-{file}.json",
                   {"config": config, "backend": backend})
               for config, file, backend in (
