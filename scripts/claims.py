@@ -471,12 +471,13 @@ TABLES = (
           columns=BLOCK_COLUMNS),
     Table("block_h100", first="config, backend", caption="The same block and official layer on one H100, "
           "compiled as the trainer runs it (`bash bench/gpu.sh block`, the official layer's autotune results "
-          "kept per GPU kind). The first three rows: the down and dx kernels in 2-CTA clusters that multicast A, "
-          "192-wide ping-pong tiles over a short reduction (`95f5f0d`); the last three: before (`79cabe9`).",
+          "kept per GPU kind). The first three rows: each compiled block one graph (`6dc2dbb`); the next three: the "
+          "down and dx kernels in 2-CTA clusters that multicast A, 192-wide ping-pong tiles over a short reduction "
+          "(`95f5f0d`); the last three: before (`79cabe9`).",
           rows=tuple(
-              Row(f"{config}, cute+compile", f"bench/results/{date}-h100-moe_block-compiled.json",
-                  {"config": config, "backend": "cute+compile"})
-              for date in ("2026-11-25", "2026-11-24") for config in ("7B", "30B", "OLMoE")),
+              Row(f"{config}, cute+compile", f"bench/results/{file}.json", {"config": config, "backend": "cute+compile"})
+              for file in ("2026-11-25-h100-moe_block-compiled-onegraph", "2026-11-25-h100-moe_block-compiled",
+                           "2026-11-24-h100-moe_block-compiled") for config in ("7B", "30B", "OLMoE")),
           columns=BLOCK_COLUMNS),
     Table("official_7b", first="run", caption="The paper's 7B config (T 24576, d 1536, n 256, E 128, K 8), "
           "forward + backward of the bare expert layer (router logits, top-K, plan, experts: `bench.moe_layer`, "
