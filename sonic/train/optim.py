@@ -13,6 +13,7 @@ from sonic import compat
 
 SCHEDULES = ("cosine", "wsd", "constant")
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop", "triton")
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -34,6 +35,9 @@ class OptimConfig:
     # only (sonic_7b cut to 8 layers on an H200: clip + step 12.65 ms vs fused's 16.01 ms with the clip as its
     # grad_scale; bench/results/2026-11-24-h200-train_step-8L-optimizers.json). auto: triton on CUDA, else fused.
     implementation: str = "auto"  # auto | triton | fused | foreach | for_loop (the last three: torch.optim.AdamW's)
+    # bf16: triton's AdamW keeps both moments in bf16, stored with stochastic rounding (sonic/kernels/triton/adamw.py):
+    # 8 bytes per weight less to hold and to move each step. fp32: torch's.
+    moment_dtype: str = "fp32"  # fp32 | bf16
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -50,6 +54,8 @@ class OptimConfig:
             raise ValueError(f"optim.implementation={self.implementation!r} is not one of {', '.join(IMPLEMENTATIONS)}")
         if not 0 <= self.decay_fraction <= 1:
             raise ValueError(f"optim.decay_fraction={self.decay_fraction} must be in [0, 1]")
+        if self.moment_dtype not in MOMENT_DTYPES:
+            raise ValueError(f"optim.moment_dtype={self.moment_dtype!r} is not one of {', '.join(MOMENT_DTYPES)}")
 
 
 class TritonAdamW(torch.optim.AdamW):
@@ -62,10 +68,17 @@ class TritonAdamW(torch.optim.AdamW):
     copy of each is kept as state["master"]. The forward and backward then run on them with no cast, their
     gradients come in that dtype, and each step updates the master and writes it back rounded. The moments stay
     fp32. A checkpoint holds the masters as the model's weights (`sonic.train.checkpoint.state_dicts`), so it is
-    the same as one of fp32 weights, whichever way it moves."""
+    the same as one of fp32 weights, whichever way it moves.
 
-    def __init__(self, params, compute_dtype: torch.dtype | None = None, **kwargs):
+    moment_dtype=bf16 (optim.moment_dtype): both moments are held in bf16 (stochastic rounding in the kernel).
+    Loaded moments are cast to it, so a checkpoint moves between bf16 and fp32 moments either way."""
+
+    def __init__(self, params, compute_dtype: torch.dtype | None = None, moment_dtype: torch.dtype | None = None,
+                 **kwargs):
         super().__init__(params, foreach=None, fused=None, **kwargs)
+        assert moment_dtype in (None, torch.float32, torch.bfloat16), moment_dtype
+        self.moment_dtype = moment_dtype  # None: the parameter's dtype, as torch's (fp32 with masters)
+        self._salts = {p: i for i, p in enumerate(self._params())}  # seeds each parameter's stochastic rounding
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]:
                 raise ValueError("optim.implementation=triton is plain AdamW: no amsgrad, maximize, capturable "
@@ -75,8 +88,9 @@ class TritonAdamW(torch.optim.AdamW):
                 assert p.dtype == torch.float32, p.dtype  # the master copies the weights as they were initialised
                 master = p.detach().clone()
                 # the whole state now, not at the first step: a checkpoint load reads into it in place
-                self.state[p].update(step=torch.zeros((), device=p.device), exp_avg=torch.zeros_like(master),
-                                     exp_avg_sq=torch.zeros_like(master), master=master)
+                self.state[p].update(step=torch.zeros((), device=p.device),
+                                     exp_avg=torch.zeros_like(master, dtype=moment_dtype),
+                                     exp_avg_sq=torch.zeros_like(master, dtype=moment_dtype), master=master)
                 p.data = p.data.to(compute_dtype)
 
     def _params(self) -> list[torch.Tensor]:
@@ -87,6 +101,14 @@ class TritonAdamW(torch.optim.AdamW):
         return {p: self.state[p]["master"] for p in self._params() if "master" in self.state[p]}
 
     def load_state_dict(self, state_dict):
+        self._load_state_dict(state_dict)
+        if self.moment_dtype is not None:  # torch cast them to the parameter's (or the master's) dtype
+            for state in self.state.values():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in state:
+                        state[key] = state[key].to(self.moment_dtype)
+
+    def _load_state_dict(self, state_dict):
         masters = self.masters()
         if not masters:
             return super().load_state_dict(state_dict)
@@ -122,8 +144,9 @@ class TritonAdamW(torch.optim.AdamW):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype,
+                                                           memory_format=torch.preserve_format)
                 elif state["step"].device != p.device:  # a checkpoint of a non-fused implementation keeps it on the CPU
                     state["step"] = state["step"].to(p.device, torch.float32)
                 todo.append((p, state))
@@ -135,7 +158,7 @@ class TritonAdamW(torch.optim.AdamW):
             for p, state in todo:
                 adamw_(*(_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])), state["step"],
                        lr=group["lr"], weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                       grad_scale=grad_scale, found_inf=found_inf, master=state.get("master"))
+                       grad_scale=grad_scale, found_inf=found_inf, master=state.get("master"), salt=self._salts[p])
         return loss
 
 
@@ -179,8 +202,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dty
         raise ValueError(f"optim.implementation={cfg.implementation} keeps no fp32 master weights, which one GPU "
                          f"needs to hold its weights in parallel.param_dtype (bf16); use optim.implementation=triton "
                          f"(auto), or set parallel.param_dtype=fp32 to keep fp32 weights cast per op by autocast")
+    if cfg.moment_dtype != "fp32" and implementation != "triton":
+        raise ValueError(f"optim.moment_dtype={cfg.moment_dtype} needs optim.implementation=triton (auto on CUDA), "
+                         f"whose kernel rounds the moments stochastically; optim.implementation={cfg.implementation} "
+                         f"resolves to {implementation} here: set optim.moment_dtype=fp32")
     if implementation == "triton":
-        optimizer = TritonAdamW(groups, lr=cfg.lr, compute_dtype=compute_dtype)
+        optimizer = TritonAdamW(groups, lr=cfg.lr, compute_dtype=compute_dtype,
+                                moment_dtype=None if cfg.moment_dtype == "fp32" else MOMENT_DTYPES[cfg.moment_dtype])
     else:
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, **_IMPLEMENTATION_FLAGS[implementation])
     apply_config(optimizer, cfg)

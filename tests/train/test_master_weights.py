@@ -22,10 +22,10 @@ def _groups(model):
     return [{"params": params[::2]}, {"params": params[1::2], "weight_decay": 0.0}]
 
 
-def _with_masters(model) -> TritonAdamW:
+def _with_masters(model, moment_dtype=None) -> TritonAdamW:
     """bf16 weights, and a state as after three steps: masters off the bf16 grid, moments set (nothing here runs
     the optimizer's kernel, so this works on the CPU)."""
-    optimizer = TritonAdamW(_groups(model), lr=1e-3, compute_dtype=torch.bfloat16)
+    optimizer = TritonAdamW(_groups(model), lr=1e-3, compute_dtype=torch.bfloat16, moment_dtype=moment_dtype)
     gen = torch.Generator().manual_seed(1)
     for p, master in optimizer.masters().items():
         state = optimizer.state[p]
@@ -96,6 +96,33 @@ def test_a_checkpoint_with_masters_resumes_exactly_either_way(tmp_path):
     Checkpointer(tmp_path / "other", keep_last=2).load(path, back, back_opt)
     for p, q in zip(back.parameters(), fp32.parameters()):
         assert torch.equal(back_opt.masters()[p], q) and torch.equal(p, q.bfloat16())
+
+
+def test_a_checkpoint_of_bf16_moments_resumes_exactly_and_moves_to_fp32_moments(tmp_path):
+    """optim.moment_dtype=bf16: saved as they are held; a resume gets them back exactly, an fp32-moment run gets them
+    as fp32, and a checkpoint of fp32 moments loads into bf16 ones rounded."""
+    model = _model()
+    optimizer = _with_masters(model, torch.bfloat16)
+    assert all(state["exp_avg_sq"].dtype == torch.bfloat16 for state in optimizer.state.values())
+    path = _save(tmp_path, model, optimizer)
+    for moment_dtype in (torch.bfloat16, None):
+        again = _model()
+        again_opt = TritonAdamW(_groups(again), lr=1e-3, compute_dtype=torch.bfloat16, moment_dtype=moment_dtype)
+        Checkpointer(tmp_path / "checkpoints", keep_last=2).load(path, again, again_opt)
+        for p, q in zip(again.parameters(), model.parameters()):
+            assert torch.equal(again_opt.masters()[p], optimizer.masters()[q]) and torch.equal(p, q)
+            for key in ("exp_avg", "exp_avg_sq"):
+                loaded = again_opt.state[p][key]
+                assert loaded.dtype == (moment_dtype or torch.float32), (moment_dtype, key)
+                assert torch.equal(loaded, optimizer.state[q][key].to(loaded.dtype)), key
+    fp32_model = _model()
+    fp32 = _with_masters(fp32_model)
+    path = Checkpointer(tmp_path / "fp32", keep_last=2).save(3, fp32_model, fp32, {}, "model: {}\n")
+    back = _model()
+    back_opt = TritonAdamW(_groups(back), lr=1e-3, compute_dtype=torch.bfloat16, moment_dtype=torch.bfloat16)
+    Checkpointer(tmp_path / "fp32", keep_last=2).load(path, back, back_opt)
+    for p, q in zip(back_opt._params(), fp32._params()):
+        assert torch.equal(back_opt.state[p]["exp_avg"], fp32.state[q]["exp_avg"].bfloat16())
 
 
 @pytest.mark.parametrize(("device", "mesh", "param_dtype", "bf16_step", "grad_accum", "expected"), [

@@ -131,12 +131,69 @@ def check_masters(device: str) -> None:
                                                                                  ref.state[q]["exp_avg"])
 
 
+def check_bf16_moments(device: str) -> None:
+    """moment_dtype=bf16: the moments are held in bf16 and the step stays torch's fp32 step to bf16 precision; the
+    rounding is stochastic, so an update far under half a bf16 step still moves a moment in expectation (round to
+    nearest would leave it); a skipped step moves nothing; checkpoints move to and from fp32 moments."""
+    ref_params, our_params = _params(device), _params(device)
+    ref = torch.optim.AdamW(_groups(ref_params), foreach=False, **HYPER)
+    ours = TritonAdamW(_groups(our_params), moment_dtype=torch.bfloat16, **HYPER)
+    for seed, skipped in enumerate((False, False, True, False)):
+        for params in (ref_params, our_params):
+            _set_grads(params, seed)
+        before = [p.detach().clone() for p in our_params], {p: ours.state[p]["exp_avg_sq"].clone()
+                                                             for p in our_params if ours.state[p]}
+        optimizer_step(ours, None, found_inf=torch.tensor(float(skipped), device=device))
+        if skipped:
+            assert all(torch.equal(p, b) for p, b in zip(our_params, before[0]))
+            assert all(torch.equal(ours.state[p]["exp_avg_sq"], v) for p, v in before[1].items())
+            continue
+        ref.step()
+        for p, q in zip(our_params, ref_params):
+            torch.testing.assert_close(p, q, rtol=0, atol=2e-4)  # lr 1e-2 times the moments' bf16 error
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert ours.state[p][key].dtype == torch.bfloat16
+                # stochastic rounding errs by up to a bf16 step (2^-7 relative), and a moment near 0 carries the
+                # errors of its earlier, larger values
+                want = ref.state[q][key]
+                torch.testing.assert_close(ours.state[p][key].float(), want, rtol=2 ** -6,
+                                           atol=2 ** -5 * want.abs().mean().item())
+    # v = 154/256 (exact in bf16, whose step there is 2^-8), g = 1, beta2 = 0.999: each step adds 4e-4 to v in fp32
+    p = torch.nn.Parameter(torch.zeros(4096, device=device))
+    opt = TritonAdamW([p], lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, moment_dtype=torch.bfloat16)
+    opt.state[p].update(step=torch.zeros((), device=device), exp_avg=torch.zeros_like(p, dtype=torch.bfloat16),
+                        exp_avg_sq=torch.full_like(p, 154 / 256, dtype=torch.bfloat16))
+    v_ref = 154 / 256
+    for _ in range(20):
+        p.grad = torch.ones_like(p)
+        opt.step()
+        v_ref = 0.999 * v_ref + 0.001
+    v = opt.state[p]["exp_avg_sq"].float()
+    assert abs(v.mean().item() - v_ref) < 1e-3 < v_ref - 154 / 256, (v.mean().item(), v_ref)
+    assert v.unique().numel() > 1  # rounded up here, down there
+    # checkpoints: bf16 moments into fp32 ones (this and torch's implementation) and back
+    fp32 = TritonAdamW(_groups([torch.nn.Parameter(p.detach().clone()) for p in our_params]), **HYPER)
+    fp32.load_state_dict(copy.deepcopy(ours.state_dict()))
+    back = TritonAdamW(_groups([torch.nn.Parameter(p.detach().clone()) for p in our_params]),
+                       moment_dtype=torch.bfloat16, **HYPER)
+    back.load_state_dict(copy.deepcopy(fp32.state_dict()))
+    for a, b, c in zip(our_params, fp32._params(), back._params()):
+        assert fp32.state[b]["exp_avg"].dtype == torch.float32 and back.state[c]["exp_avg"].dtype == torch.bfloat16
+        assert torch.equal(fp32.state[b]["exp_avg"], ours.state[a]["exp_avg"].float())
+        assert torch.equal(back.state[c]["exp_avg_sq"], ours.state[a]["exp_avg_sq"])
+    # with fp32 masters (one GPU's bf16 weights) the moments are bf16 from the start
+    both = TritonAdamW(_groups(_params(device)), compute_dtype=torch.bfloat16, moment_dtype=torch.bfloat16, **HYPER)
+    assert all(state["exp_avg"].dtype == torch.bfloat16 and state["master"].dtype == torch.float32
+               for state in both.state.values())
+
+
 def _interpreter_main() -> None:
     from tests.helpers import patch_triton_interpreter
 
     patch_triton_interpreter()
     check("cpu")
     check_masters("cpu")
+    check_bf16_moments("cpu")
     print("adamw interpreter ok")
 
 
@@ -148,6 +205,14 @@ def test_triton_adamw_takes_torchs_step_in_the_interpreter():
 def test_triton_adamw_takes_torchs_step_on_the_gpu():
     check("cuda")
     check_masters("cuda")
+    check_bf16_moments("cuda")
+
+
+def test_only_triton_keeps_bf16_moments():
+    with pytest.raises(ValueError, match="moment_dtype=bf16 needs optim.implementation=triton.*moment_dtype=fp32"):
+        build_optimizer(_model(), OptimConfig(moment_dtype="bf16"))
+    with pytest.raises(ValueError, match="optim.moment_dtype='fp16' is not one of fp32, bf16"):
+        OptimConfig(moment_dtype="fp16")
 
 
 def test_only_triton_keeps_master_weights():

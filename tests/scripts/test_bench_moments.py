@@ -1,0 +1,17 @@
+"""bench.moments: the trainer twice on the same batches, fp32 and bf16 AdamW moments, and the gap between the loss
+curves (GPU: bf16 moments are triton's AdamW; the CPU only refuses them, as the optimizer test checks)."""
+import json
+
+import pytest
+
+from bench import moments
+
+
+@pytest.mark.gpu
+def test_moments_bench_compares_both_curves(tmp_path):
+    out = tmp_path / "m.json"
+    moments.main(["--steps", "20", "--json", str(out), "parallel.compile=false", "train.log_every=5"])
+    r = json.loads(out.read_text())
+    assert [s for s, _ in r["loss"]["fp32"]] == [s for s, _ in r["loss"]["bf16"]] == [5, 10, 15, 20]
+    assert r["loss"]["fp32"] != r["loss"]["bf16"]  # two runs, not one read twice
+    assert 0 <= r["max_relative_gap"] < 0.05 and r["loss"]["fp32"][-1][1] < r["loss"]["fp32"][0][1]
