@@ -320,6 +320,7 @@ E2E_1X_WEIGHTS = {f"{dtype}-{n}": f"2026-11-25-1xh200-e2e-40L-{dtype}weights-{n}
                   for n in (1, 2)}
 E2E_1X_GRAPHS = {f"{kind}-{n}": f"2026-11-25-1xh200-e2e-40L-{kind}-{n}.json" for kind in ("onegraph", "fivegraphs")
                  for n in (1, 2)}
+E2E_1X_MOMENTS = {n: f"2026-11-25-1xh200-e2e-40L-moments-{n}.json" for n in (1, 2)}
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
     Text("steps (averaged)", "steps_averaged"),
@@ -390,7 +391,13 @@ TABLES = (
               e2e("five graphs per block, as before (`c2295dd`'s sonic/; second run)", E2E_1X_GRAPHS["fivegraphs-1"],
                   "cute_40L"),
               e2e("one graph again (third run)", E2E_1X_GRAPHS["onegraph-2"], "cute_40L"),
-              e2e("five graphs again (fourth run)", E2E_1X_GRAPHS["fivegraphs-2"], "cute_40L"))),
+              e2e("five graphs again (fourth run)", E2E_1X_GRAPHS["fivegraphs-2"], "cute_40L"),
+              e2e("recipe, one GPU, cute, top-K (fp32 AdamW moments, the default; first of four runs in one call, "
+                  "on one machine)", E2E_1X_MOMENTS[1], "cute_40L"),
+              e2e("`optim.moment_dtype=bf16`: both moments in bf16, stochastically rounded (second run)",
+                  E2E_1X_MOMENTS[1], "cute_bf16moments_40L"),
+              e2e("fp32 moments again (third run)", E2E_1X_MOMENTS[2], "cute_40L"),
+              e2e("bf16 moments again (fourth run)", E2E_1X_MOMENTS[2], "cute_bf16moments_40L"))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),
