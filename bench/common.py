@@ -129,17 +129,59 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def profiled(step: Callable[[], object], cuda: bool):
-    """(wall ms, torch.profiler result) of one step(), recording CUDA kernels on a GPU, CPU ops otherwise."""
+def profiled(step: Callable[[], object], cuda: bool, cpu_too: bool = False):
+    """(wall ms, torch.profiler result) of one step(), recording CUDA kernels on a GPU, CPU ops otherwise (and
+    also, with cpu_too, the host ops that issue the kernels)."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CUDA] if cuda else []
+    with profile(activities=activities + ([ProfilerActivity.CPU] if cpu_too or not cuda else [])) as prof:
         t0 = time.perf_counter()
         step()
         if cuda:
             torch.cuda.synchronize()
         wall_ms = 1e3 * (time.perf_counter() - t0)
     return wall_ms, prof
+
+
+GPU_OPS = ("kernel", "gpu_memcpy", "gpu_memset")  # chrome-trace categories of work on the GPU
+LAUNCHES = ("cuda_runtime", "cuda_driver")  # of the host calls that queue it (cudaLaunchKernel, cuLaunchKernel, ...)
+
+
+def gpu_gaps(events: list[dict], top: int = 25) -> dict:
+    """Where the GPU idles in a chrome trace of one step (torch.profiler's export_chrome_trace, with CUDA activity):
+    the GPU's work merged into busy time, and each gap before its next op, host-bound when the host call that
+    queued that op ended after the GPU went idle (the GPU waited for the launch), else queued (a dependency, or the
+    launch latency). Milliseconds: span, busy, idle, idle_host_bound, idle_unlinked (no launch record for the op);
+    idle by gap size; the ops after the most idle time, and the largest gaps."""
+    gpu = sorted((e for e in events if e.get("cat") in GPU_OPS and "dur" in e), key=lambda e: e["ts"])
+    if not gpu:
+        return {}
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
+    end, busy, prev, gaps = gpu[0]["ts"], 0.0, gpu[0], []
+    for e in gpu:
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        if start > end:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            why = "unlinked" if launch is None else "host_bound" if launch["ts"] + launch.get("dur", 0) > end else "queued"
+            gaps.append(((start - end) / 1e3, prev["name"], e["name"], why))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, prev = stop, e
+    by_size = dict.fromkeys(("under 5 us", "5 to 100 us", "100 us or more"), 0.0)
+    by_next: dict[tuple[str, str], float] = {}
+    for ms, _, name, why in gaps:
+        by_size["under 5 us" if ms < 5e-3 else "5 to 100 us" if ms < 0.1 else "100 us or more"] += ms
+        by_next[name, why] = by_next.get((name, why), 0.0) + ms
+    idle = sum(g[0] for g in gaps)
+    return {"span_ms": (end - gpu[0]["ts"]) / 1e3, "busy_ms": busy / 1e3, "idle_ms": idle,
+            **{f"idle_{why}_ms": sum(g[0] for g in gaps if g[3] == why) for why in ("host_bound", "unlinked")},
+            "idle_ms_by_gap": by_size,
+            "idle_before": [{"op": n, "why": w, "ms": ms} for (n, w), ms in
+                            sorted(by_next.items(), key=lambda kv: -kv[1])[:top]],
+            "largest": [{"ms": ms, "after": a, "before": b, "why": w} for ms, a, b, w in
+                        sorted(gaps, key=lambda g: -g[0])[:top]]}
 
 
 def kernel_times(prof, cuda: bool) -> list[tuple[str, float, int]]:

@@ -10,17 +10,22 @@ the optimizer step are timed as the trainer runs them, for each AdamW implementa
 asked for (--optimizers, on the same gradients): foreach clips the gradients in place first; fused and triton
 take the clip as a divisor in their step. Each keeps its own state (`--optimizers fused` for one: the 40-layer
 sonic_7b holds only one on an H200). Then one step under torch.profiler lists the CUDA kernels that take the
-most time. Writes --json (default bench/results/<date>-<gpu>-train_step.json).
+most time, and one more, its host calls traced too, says where the GPU idles and whether it waited there for the
+host to launch the next kernel (`gpu_gaps`: the step's idle time, and the kernels it idles before). Writes --json (default bench/results/<date>-<gpu>-train_step.json).
 `--device cpu` smoke-tests the script (fp32, wall-clock timings, CPU operators: meaningless numbers).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import tempfile
+from pathlib import Path
 
 import torch
 
-from bench.common import cuda_or_exit, host_bound, kernel_times, median_ms, profiled, result_path, write_json
+from bench.common import (cuda_or_exit, gpu_gaps, host_bound, kernel_times, median_ms, profiled, result_path,
+                          write_json)
 from sonic.models import flops_per_token
 from sonic.models.presets import load_preset
 from sonic.models.moe import MoE
@@ -129,17 +134,28 @@ def main(argv=None):
             print(f"  {name:>26}: CPU issues it in {h['issue_ms']:.1f} ms, the GPU ends at {h['wall_ms']:.1f} ms; "
                   f"{h['device_mallocs_and_frees']:.0f} cudaMalloc/cudaFree calls, syncs flagged at {h['syncs']}")
 
-    _, prof = profiled(lambda: (fwd_bwd(), clip_and_step(optimizers[impls[0]])), cuda)
+    step = lambda: (fwd_bwd(), clip_and_step(optimizers[impls[0]]))  # noqa: E731
+    _, prof = profiled(step, cuda)
     kernels = kernel_times(prof, cuda)
     total = sum(k[1] for k in kernels)
     print(f"\n{'CUDA' if cuda else 'CPU'} time by {'kernel' if cuda else 'operator'}, one step ({total:.1f} ms in all):")
     for name, t, n in kernels[:args.top]:
         print(f"  {t:8.2f} ms {100 * t / total:5.1f}% x{n:<5} {name[:110]}")
+    gaps = {}
+    if cuda:  # where the GPU idles in a step, and whether it waited for the host (its launches traced too)
+        _, traced = profiled(step, cuda, cpu_too=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            traced.export_chrome_trace(f"{tmp}/step.json")
+            gaps = gpu_gaps(json.loads(Path(tmp, "step.json").read_text())["traceEvents"])
+        print(f"\nGPU idle, one step: {gaps['idle_ms']:.1f} of {gaps['span_ms']:.1f} ms, "
+              f"{gaps['idle_host_bound_ms']:.1f} ms waiting for the host to launch; the most idle time before:")
+        for g in gaps["idle_before"][:10]:
+            print(f"  {g['ms']:7.2f} ms  {g['why']:>10}  {g['op'][:100]}")
     path = result_path("train_step", args.json)
     write_json(path, {"model": args.model, "layers": args.layers, "backend": args.backend,
                       "routing": cfg.moe.routing.method, "batch": [B, S],
                       "compile": args.compile, "param_dtype": args.param_dtype if cuda else "fp32",
-                      "phases_ms": ms, "steps": summary, "host": host,
+                      "phases_ms": ms, "steps": summary, "host": host, "gpu_gaps": gaps,
                       "kernels": [{"name": k, "ms": t, "count": n} for k, t, n in kernels[:100]]})
     print(f"\nwrote {path}")
 

@@ -69,3 +69,27 @@ def test_a_repository_around_a_copy_is_not_its_commit(tmp_path, monkeypatch, no_
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
     monkeypatch.setenv("SONIC_COMMIT", "abc1234")
     assert written(tmp_path)["commit"] == "abc1234"
+
+
+def test_gpu_gaps_splits_idle_time_by_whether_the_host_had_queued_the_next_op():
+    """A trace as torch.profiler exports it (microseconds): k1 0-10, k2 queued at 5 runs 12-20 (a 2 us gap,
+    queued), k3 queued only at 118 (the host's call ends after k2) runs 120-130 (100 us, host-bound), a memset
+    overlapping k3 adds no idle, and a copy with no launch record after a 20 us gap."""
+    def op(name, ts, dur, corr=None, cat="kernel"):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {} if corr is None else {"correlation": corr}}
+
+    def launch(ts, dur, corr):
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = [op("k1", 0, 10, 1), launch(0, 3, 1), op("k2", 12, 8, 2), launch(5, 3, 2), op("k3", 120, 10, 3),
+              launch(110, 8, 3), op("Memset", 125, 2, 4, "gpu_memset"), launch(100, 2, 4),
+              op("Memcpy", 150, 10, cat="gpu_memcpy"), {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500}]
+    g = common.gpu_gaps(events)
+    assert g["span_ms"] == pytest.approx(0.160) and g["busy_ms"] == pytest.approx(0.038)
+    assert g["idle_ms"] == pytest.approx(0.122) and g["idle_host_bound_ms"] == pytest.approx(0.100)
+    assert g["idle_unlinked_ms"] == pytest.approx(0.020)
+    assert g["idle_ms_by_gap"] == pytest.approx({"under 5 us": 0.002, "5 to 100 us": 0.020, "100 us or more": 0.100})
+    assert g["largest"][0] == {"ms": pytest.approx(0.1), "after": "k2", "before": "k3", "why": "host_bound"}
+    assert [(x["op"], x["why"]) for x in g["idle_before"]] == [("k3", "host_bound"), ("Memcpy", "unlinked"),
+                                                               ("k2", "queued")]
+    assert common.gpu_gaps([events[-1]]) == {}
