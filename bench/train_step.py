@@ -11,7 +11,8 @@ asked for (--optimizers, on the same gradients): foreach clips the gradients in 
 take the clip as a divisor in their step. Each keeps its own state (`--optimizers fused` for one: the 40-layer
 sonic_7b holds only one on an H200). Then one step under torch.profiler lists the CUDA kernels that take the
 most time, and one more, its host calls traced too, says where the GPU idles and whether it waited there for the
-host to launch the next kernel (`gpu_gaps`: the step's idle time, and the kernels it idles before). Writes --json (default bench/results/<date>-<gpu>-train_step.json).
+host to launch the next kernel (`gpu_gaps`: the step's idle time, and the kernels it idles before). Writes
+--json (default bench/results/<date>-<gpu>-train_step.json).
 `--device cpu` smoke-tests the script (fp32, wall-clock timings, CPU operators: meaningless numbers).
 """
 from __future__ import annotations
