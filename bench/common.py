@@ -164,7 +164,8 @@ def gpu_gaps(events: list[dict], top: int = 25) -> dict:
         start, stop = e["ts"], e["ts"] + e["dur"]
         if start > end:
             launch = launches.get(e.get("args", {}).get("correlation"))
-            why = "unlinked" if launch is None else "host_bound" if launch["ts"] + launch.get("dur", 0) > end else "queued"
+            issued_late = launch is not None and launch["ts"] + launch.get("dur", 0) > end
+            why = "unlinked" if launch is None else "host_bound" if issued_late else "queued"
             gaps.append(((start - end) / 1e3, prev["name"], e["name"], why))
         busy += max(0.0, stop - max(start, end))
         if stop > end:

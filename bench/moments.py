@@ -33,7 +33,8 @@ def main(argv=None):
     register_schema()
     curves = {}
     for dtype in ("fp32", "bf16"):
-        with tempfile.TemporaryDirectory() as run_dir, initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        with (tempfile.TemporaryDirectory() as run_dir,
+              initialize_config_dir(config_dir=str(CONFIGS), version_base=None)):
             cfg = to_config(compose(config_name="config", overrides=[
                 *DEFAULTS, f"train.steps={args.steps}", f"train.run_dir={run_dir}", *overrides,
                 f"optim.moment_dtype={dtype}"]))
