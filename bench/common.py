@@ -77,6 +77,17 @@ def write_json(path: Path, payload: dict) -> Path:
     return path
 
 
+def compose_config(overrides: list[str]):
+    """The run config the trainer would get from `train.py <overrides>` (Hydra, configs/, the dataclass schema)."""
+    from hydra import compose, initialize_config_dir  # noqa: PLC0415 (Hydra: only the benches that train)
+
+    from sonic.train.config import register_schema, to_config  # noqa: PLC0415
+
+    register_schema()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        return to_config(compose(config_name="config", overrides=list(overrides)))
+
+
 def held_bytes(forward: Callable[[], object], cuda: bool) -> int | None:
     """Bytes that forward() allocates and keeps for the backward, less its output (the first result when it
     returns a tuple: the rest, e.g. a loss, stays alive while memory is read); None off CUDA."""

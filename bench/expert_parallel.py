@@ -16,22 +16,18 @@ import argparse
 import gc
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
 
-from bench.common import gpu_name, median_ms, profiled, result_path, write_json
+from bench.common import compose_config, gpu_name, median_ms, profiled, result_path, write_json
 from sonic.data import build_loaders, build_tokenizer
 from sonic.models import flops_per_token
 from sonic.parallel import build_model, init_distributed
-from sonic.train.config import register_schema, to_config
 from sonic.train.metrics import peak_flops
 from sonic.train.optim import build_optimizer, clip_grad_norm
 from sonic.train.trainer import autocast_context
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DEFAULTS = ["model=sonic_7b", "model.num_layers=8", "data=local_bpe", "train.micro_batch_size=4",
             "train.seq_len=4096", "optim.lr=1e-4"]
 ALL_TO_ALL = ("sendrecv", "alltoall", "all_to_all")
@@ -60,8 +56,7 @@ def held_for_backward(model, batch, cfg, device) -> float:
 
 
 def run_ep(base_overrides: list[str], ep: int, args) -> dict:
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-        cfg = to_config(compose(config_name="config", overrides=[*DEFAULTS, *base_overrides, f"parallel.ep={ep}"]))
+    cfg = compose_config([*DEFAULTS, *base_overrides, f"parallel.ep={ep}"])
     t = cfg.train
     info = init_distributed(cfg.parallel, t.device)
     device, cuda = info.device, info.device.type == "cuda"
@@ -119,7 +114,6 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = ap.parse_args(argv)
-    register_schema()
     rows = [run_ep(args.overrides, int(ep), args) for ep in args.eps.split(",")]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if int(os.environ.get("RANK", "0")) == 0:

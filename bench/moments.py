@@ -12,15 +12,10 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
-from bench.common import result_path, write_json
-from sonic.train.config import register_schema, to_config
+from bench.common import compose_config, result_path, write_json
 from sonic.train.trainer import train
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DEFAULTS = ["model=tiny", "data=embedded", "train.log_every=10", "train.eval_every=0", "train.save_every=0",
             "train.lm_eval_every=0", "train.progress=false", "train.resume=none"]
 
@@ -30,15 +25,11 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--json", default=None)
     args, overrides = ap.parse_known_args(argv)
-    register_schema()
     curves = {}
     for dtype in ("fp32", "bf16"):
-        with (tempfile.TemporaryDirectory() as run_dir,
-              initialize_config_dir(config_dir=str(CONFIGS), version_base=None)):
-            cfg = to_config(compose(config_name="config", overrides=[
-                *DEFAULTS, f"train.steps={args.steps}", f"train.run_dir={run_dir}", *overrides,
-                f"optim.moment_dtype={dtype}"]))
-            history = train(cfg)
+        with tempfile.TemporaryDirectory() as run_dir:
+            history = train(compose_config([*DEFAULTS, f"train.steps={args.steps}", f"train.run_dir={run_dir}",
+                                            *overrides, f"optim.moment_dtype={dtype}"]))
         curves[dtype] = {r["step"]: r["loss"] for r in history}
     steps = sorted(curves["fp32"])
     gaps = [abs(curves["bf16"][s] - curves["fp32"][s]) / curves["fp32"][s] for s in steps]

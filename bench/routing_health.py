@@ -66,15 +66,13 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from bench.common import result_path, write_json
+from bench.common import compose_config, result_path, write_json
 from sonic.routing.losses import picks_per_sequence
 from sonic.routing.scores import EPS, prefix_centre
 from sonic.train import trainer
-from sonic.train.config import Config, register_schema, to_config
+from sonic.train.config import Config
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # A fresh run with nothing but training and its log; overrides given on the command line come later and win.
 DEFAULTS = ["train.eval_every=0", "train.save_every=0", "train.lm_eval_every=0", "train.resume=none",
             "train.progress=false"]
@@ -349,12 +347,9 @@ def main(argv=None) -> Path:
         raise ValueError("bench.routing_health runs on one process (the issue's runs are one GPU); "
                          "run it without torchrun")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    register_schema()
     with contextlib.ExitStack() as stack:
         run_dir = args.run_dir or stack.enter_context(tempfile.TemporaryDirectory())
-        with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-            cfg = to_config(compose(config_name="config",
-                                    overrides=[*DEFAULTS, f"train.run_dir={run_dir}", *args.overrides]))
+        cfg = compose_config([*DEFAULTS, f"train.run_dir={run_dir}", *args.overrides])
         history, diags = run(cfg, args.diag_every, tuple(args.freeze))
     moe = cfg.model.moe
     num_moe = cfg.model.num_layers - cfg.model.first_k_dense

@@ -144,6 +144,7 @@ def main(argv=None):
         print(f"  {t:8.2f} ms {100 * t / total:5.1f}% x{n:<5} {name[:110]}")
     gaps = {}
     if cuda:  # where the GPU idles in a step, and whether it waited for the host (its launches traced too)
+        # a profile of its own: with the host ops in it, key_averages would count each kernel again under its op
         _, traced = profiled(step, cuda, cpu_too=True)
         with tempfile.TemporaryDirectory() as tmp:
             traced.export_chrome_trace(f"{tmp}/step.json")
