@@ -60,9 +60,9 @@ def evaluate(model, val_loader, cfg: Config, device: torch.device) -> float:
     for i, batch in enumerate(val_loader):
         if i == cfg.train.eval_batches:
             break
-        labels = batch["labels"].to(device)
+        input_ids, doc_ids, labels = model_inputs(batch, cfg, device)
         with autocast_context(cfg, device):
-            out = model(batch["input_ids"].to(device), _doc_ids(batch, cfg, device), labels)
+            out = model(input_ids, doc_ids, labels)
         count = (labels != -100).sum().float()
         total += torch.stack([out.loss.float() * count, count])
     model.train()
@@ -70,8 +70,17 @@ def evaluate(model, val_loader, cfg: Config, device: torch.device) -> float:
     return (total[0] / total[1].clamp_min(1)).item()
 
 
-def _doc_ids(batch, cfg: Config, device):
-    return batch["doc_ids"].to(device) if cfg.train.document_masking else None
+def model_inputs(batch: dict, cfg: Config, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                         torch.Tensor]:
+    """(input_ids, doc_ids or None, labels) of a host batch, on `device`. On CUDA they go through pinned memory
+    without waiting: a copy from pageable memory first waits for every kernel already queued, so each step would
+    start with the GPU drained and idle while the host launches its first kernels."""
+    keys = ("input_ids", "doc_ids", "labels") if cfg.train.document_masking else ("input_ids", "labels")
+    if device.type == "cuda":
+        moved = {k: batch[k].pin_memory().to(device, non_blocking=True) for k in keys}
+    else:
+        moved = {k: batch[k].to(device) for k in keys}
+    return moved["input_ids"], moved.get("doc_ids"), moved["labels"]
 
 
 @torch.no_grad()
@@ -82,7 +91,7 @@ def finite_loss(model, batch, cfg: Config, device: torch.device) -> bool:
     model.eval()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast_context(cfg, device):
-            out = model(batch["input_ids"].to(device), _doc_ids(batch, cfg, device), batch["labels"].to(device))
+            out = model(*model_inputs(batch, cfg, device))
     finally:
         model.train()
     return not all_reduce_((~torch.isfinite(out.loss.detach().float())).float().reshape(1)).item()
@@ -238,7 +247,7 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
                 batch = next(train_loader)
                 set_gradient_sync(model, micro == t.grad_accum - 1)  # one reduce-scatter per step
                 with autocast_context(cfg, device):
-                    out = model(batch["input_ids"].to(device), _doc_ids(batch, cfg, device), batch["labels"].to(device))
+                    out = model(*model_inputs(batch, cfg, device))
                 loss = out.loss  # the LM head + cross-entropy backend's mean over labelled tokens
                 ((loss + out.router_loss) / t.grad_accum).backward()
                 if out.routed:
