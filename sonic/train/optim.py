@@ -59,15 +59,15 @@ class OptimConfig:
 
 
 class TritonAdamW(torch.optim.AdamW):
-    """torch.optim.AdamW whose step is Sonic's Triton kernel (sonic/kernels/triton/adamw.py): one pass per
-    parameter that also applies the gradient clip as a divisor (`grad_scale`) and skips on `found_inf`, the
-    attributes torch's fused AdamW reads (GradScaler's protocol; `optimizer_step` sets them). Its state is
-    torch's (step, exp_avg, exp_avg_sq), so checkpoints move between it and torch's implementations.
+    """torch.optim.AdamW whose step is Sonic's Triton kernel (sonic/kernels/triton/adamw.py): one launch per param
+    group, one pass over each parameter, that also applies the gradient clip as a divisor (`grad_scale`) and skips
+    on `found_inf`, the attributes torch's fused AdamW reads (GradScaler's protocol; `optimizer_step` sets them).
+    Its state is torch's (step, exp_avg, exp_avg_sq), so checkpoints move between it and torch's implementations.
 
     compute_dtype (e.g. bf16; one GPU, see `weights_dtype`): the parameters are cast to it here, after an fp32
     copy of each is kept as state["master"]. The forward and backward then run on them with no cast, their
-    gradients come in that dtype, and each step updates the master and writes it back rounded. The moments stay
-    fp32. A checkpoint holds the masters as the model's weights (`sonic.train.checkpoint.state_dicts`), so it is
+    gradients come in that dtype, and each step updates the master and writes it back rounded. The moments are
+    fp32 unless moment_dtype says otherwise. A checkpoint holds the masters as the model's weights (`sonic.train.checkpoint.state_dicts`), so it is
     the same as one of fp32 weights, whichever way it moves.
 
     moment_dtype=bf16 (optim.moment_dtype): both moments are held in bf16 (stochastic rounding in the kernel).
@@ -78,7 +78,7 @@ class TritonAdamW(torch.optim.AdamW):
         super().__init__(params, foreach=None, fused=None, **kwargs)
         assert moment_dtype in (None, torch.float32, torch.bfloat16), moment_dtype
         self.moment_dtype = moment_dtype  # None: the parameter's dtype, as torch's (fp32 with masters)
-        self._salts = {p: i for i, p in enumerate(self._params())}  # seeds each parameter's stochastic rounding
+        self._blocks: dict[tuple, tuple] = {}  # per group and dtypes: (the sizes, adamw_tensors_'s block table)
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]:
                 raise ValueError("optim.implementation=triton is plain AdamW: no amsgrad, maximize, capturable "
@@ -129,16 +129,17 @@ class TritonAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        from sonic.kernels.triton.adamw import adamw_  # noqa: PLC0415 (Triton: CUDA machines only)
+        from sonic.kernels.triton.adamw import adamw_tensors_, block_table  # noqa: PLC0415 (Triton: CUDA only)
 
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        first = 0  # salt: each parameter's index over the groups, seeds its stochastic rounding (the same on resume)
         for group in self.param_groups:
-            todo = []
-            for p in group["params"]:
+            launches: dict[tuple, list] = {}  # one launch per dtype combination (usually one per group)
+            for salt, p in enumerate(group["params"], first):
                 if p.grad is None:
                     continue
                 state = self.state[p]
@@ -149,16 +150,21 @@ class TritonAdamW(torch.optim.AdamW):
                                                            memory_format=torch.preserve_format)
                 elif state["step"].device != p.device:  # a checkpoint of a non-fused implementation keeps it on the CPU
                     state["step"] = state["step"].to(p.device, torch.float32)
-                todo.append((p, state))
-            if not todo:
-                continue
-            steps = [state["step"] for _, state in todo]
-            compat.foreach_add_(steps, torch.ones((), device=steps[0].device) if found_inf is None else 1 - found_inf)
+                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                key = (*(t.dtype for t in tensors), "master" in state)
+                launches.setdefault(key, []).append((*tensors, state["step"], state.get("master"), salt))
+            first += len(group["params"])
             beta1, beta2 = group["betas"]
-            for p, state in todo:
-                adamw_(*(_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])), state["step"],
-                       lr=group["lr"], weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                       grad_scale=grad_scale, found_inf=found_inf, master=state.get("master"), salt=self._salts[p])
+            for key, rows in launches.items():
+                params, grads, exp_avgs, exp_avg_sqs, steps, masters, salts = map(list, zip(*rows))
+                compat.foreach_add_(steps, torch.ones((), device=steps[0].device) if found_inf is None else 1 - found_inf)
+                sizes, kept = [p.numel() for p in params], self._blocks.get((id(group), key))
+                if kept is None or kept[0] != sizes:  # the launch's (tensor, block) table depends on the sizes alone
+                    kept = self._blocks[id(group), key] = sizes, block_table(sizes, params[0].device)
+                adamw_tensors_(params, grads, exp_avgs, exp_avg_sqs, steps, lr=group["lr"],
+                               weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                               grad_scale=grad_scale, found_inf=found_inf, masters=masters if key[-1] else None,
+                               salts=salts, blocks=kept[1])
         return loss
 
 

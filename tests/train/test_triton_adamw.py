@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+import sonic.kernels.triton.adamw as kernel
 from sonic.models import ModelConfig, MoEConfig, Transformer
 from sonic.train.optim import (OptimConfig, TritonAdamW, build_optimizer, clip_grad_norm, optimizer_step,
                                takes_grad_scale)
@@ -45,7 +46,14 @@ def check(device: str) -> None:
         norm, grad_scale = clip_grad_norm(our_params, max_norm, scale_in_step=True)
         assert (grad_scale is not None) and (grad_scale > 1).item() == (max_norm < 100)
         before = copy.deepcopy((our_params, ours.state_dict()))
-        optimizer_step(ours, grad_scale, found_inf=torch.tensor(float(skipped), device=device))
+        launches = []  # tensors per launch: one launch per param group, whatever its number of tensors
+        real = kernel.adamw_tensors_
+        kernel.adamw_tensors_ = lambda params, *args, **kw: (launches.append(len(params)), real(params, *args, **kw))
+        try:
+            optimizer_step(ours, grad_scale, found_inf=torch.tensor(float(skipped), device=device))
+        finally:
+            kernel.adamw_tensors_ = real
+        assert launches == [2, 2], launches
         for p, g in zip(our_params, grads):
             assert torch.equal(p.grad, g)  # the divisor is applied as the kernel reads: the gradient is not written
         if skipped:
@@ -79,6 +87,14 @@ def check(device: str) -> None:
     for p, q in zip(again_params, theirs_params):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         assert again.state[p]["step"].device == p.device and again.state[p]["step"].item() == 4
+    # an empty parameter beside another takes no block of their launch, and alone no launch
+    empty, full = torch.nn.Parameter(torch.zeros(0, device=device)), torch.nn.Parameter(torch.ones(3, device=device))
+    opt = TritonAdamW([{"params": [empty, full]}, {"params": [torch.nn.Parameter(torch.zeros(0, device=device))]}],
+                      **HYPER)
+    for p in (empty, full, *opt.param_groups[1]["params"]):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert full.lt(1).all() and opt.state[empty]["step"].item() == 1
 
 
 def check_masters(device: str) -> None:

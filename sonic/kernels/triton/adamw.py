@@ -1,4 +1,5 @@
-"""AdamW's update of one parameter tensor in one pass (optim.implementation=triton, `sonic.train.optim.TritonAdamW`).
+"""AdamW's update of many parameter tensors in one launch and one pass (optim.implementation=triton,
+`sonic.train.optim.TritonAdamW`).
 
 Per element it reads the parameter, its gradient and the two moments once, and writes the parameter and the
 moments once: 28 bytes per fp32 parameter, against torch's fused AdamW's 28 bytes plus, when the gradients are
@@ -46,19 +47,33 @@ def _stochastic_bf16(x, bits):
     return tl.where(x == x, up, x).to(tl.bfloat16)  # NaN stays NaN (its carry could reach the sign)
 
 
+FIELDS = tl.constexpr(8)  # per tensor in the address table: param, master, grad, exp_avg, exp_avg_sq, step, numel, salt
+
+
 @triton.jit
-def _adamw_kernel(p_ptr, master_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, skip_ptr, n,
-                  lr, weight_decay, beta1, beta2, log2_beta1, log2_beta2, eps, salt,
+def _adamw_kernel(table_ptr, blocks_ptr, p_like, g_like, m_like, scale_ptr, skip_ptr,
+                  lr, weight_decay, beta1, beta2, log2_beta1, log2_beta2, eps,
                   HAS_MASTER: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr,
                   BF16_MOMENTS: tl.constexpr, BLOCK: tl.constexpr):
+    """One BLOCK of one tensor per program: blocks_ptr holds (tensor, block) per program, table_ptr each tensor's
+    FIELDS (addresses as int64, numel, salt). p_like, g_like, m_like: a parameter, gradient and moment whose dtypes
+    every tensor of the launch shares (the addresses carry none)."""
     if HAS_SKIP:
         if tl.load(skip_ptr) != 0:
             return
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    pid = tl.program_id(0)
+    row = table_ptr + tl.load(blocks_ptr + 2 * pid) * FIELDS
+    p_ptr = tl.load(row).to(p_like.dtype)
+    master_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(row + 2).to(g_like.dtype)
+    m_ptr = tl.load(row + 3).to(m_like.dtype)
+    v_ptr = tl.load(row + 4).to(m_like.dtype)
+    step = tl.load(tl.load(row + 5).to(tl.pointer_type(tl.float32)))
+    n = tl.load(row + 6)
+    offs = tl.load(blocks_ptr + 2 * pid + 1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    t = tl.load(step_ptr).to(tl.float32)
-    bias1 = 1.0 - tl.exp2(t * log2_beta1)
-    bias2_sqrt = tl.sqrt(1.0 - tl.exp2(t * log2_beta2))
+    bias1 = 1.0 - tl.exp2(step * log2_beta1)
+    bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         g = g / tl.load(scale_ptr).to(tl.float32)
@@ -76,7 +91,7 @@ def _adamw_kernel(p_ptr, master_ptr, g_ptr, m_ptr, v_ptr, step_ptr, scale_ptr, s
         tl.store(master_ptr + offs, p, mask=mask)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     if BF16_MOMENTS:
-        r_m, r_v, _, _ = tl.randint4x(tl.load(step_ptr).to(tl.int64) * 65537 + salt, offs)
+        r_m, r_v, _, _ = tl.randint4x(step.to(tl.int64) * 65537 + tl.load(row + 7), offs)
         tl.store(m_ptr + offs, _stochastic_bf16(m, r_m), mask=mask)
         tl.store(v_ptr + offs, _stochastic_bf16(v, r_v), mask=mask)
     else:
@@ -88,25 +103,52 @@ def _log2(beta: float) -> float:
     return math.log2(beta) if beta > 0 else float("-inf")  # beta = 0: no bias correction (exp2(-inf) = 0)
 
 
-def adamw_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, *, lr: float,
-           weight_decay: float, beta1: float, beta2: float, eps: float, grad_scale: Tensor | None = None,
-           found_inf: Tensor | None = None, master: Tensor | None = None, salt: int = 0) -> None:
-    """One AdamW step of `param` in place (and of its moments). `step`: this parameter's step count after
-    this step, a 0-d tensor on its device; `grad_scale`: a 0-d divisor of the gradient (the clip);
-    `found_inf`: a 0-d flag, nonzero to leave everything as it is; `master`: param's fp32 master copy, which
-    takes the step (param gets it rounded). bf16 moments are stored with stochastic rounding, seeded by the
-    step and `salt` (a number of this parameter's own)."""
-    tensors = (param, grad, exp_avg, exp_avg_sq) + (() if master is None else (master,))
-    assert all(t.is_contiguous() and t.shape == param.shape for t in tensors) and step.numel() == 1
-    assert master is None or master.dtype == torch.float32
-    bf16_moments = exp_avg.dtype == torch.bfloat16
-    assert exp_avg_sq.dtype == exp_avg.dtype and (bf16_moments or exp_avg.dtype == torch.float32), exp_avg.dtype
-    n = param.numel()
-    if n == 0:
+def block_table(numels: list[int], device: torch.device) -> Tensor:
+    """(tensor, block) of every program of one launch over tensors of these sizes: int64 (programs, 2). It
+    depends on the sizes alone, so a caller keeps it from step to step."""
+    blocks = torch.tensor([triton.cdiv(n, BLOCK) for n in numels], dtype=torch.int64)
+    tensor = torch.repeat_interleave(torch.arange(len(numels)), blocks)
+    first = torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
+    return torch.stack([tensor, torch.arange(len(tensor)) - first], dim=1).to(device)
+
+
+def adamw_tensors_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+                   steps: list[Tensor], *, lr: float, weight_decay: float, beta1: float, beta2: float, eps: float,
+                   grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
+                   masters: list[Tensor] | None = None, salts: list[int] | None = None,
+                   blocks: Tensor | None = None) -> None:
+    """One AdamW step of every tensor in `params` in place (and of its moments), in one launch: the host cost of a
+    launch is paid once, not once per tensor (several hundred in a model). The tensors share each list's dtype and
+    one device. `steps`: each parameter's step count after this step, a 0-d fp32 tensor on the device;
+    `grad_scale`: a 0-d divisor of the gradients (the clip); `found_inf`: a 0-d flag, nonzero to leave everything
+    as it is; `masters`: the parameters' fp32 master copies, which take the step (each parameter gets its master
+    rounded). bf16 moments are stored with stochastic rounding, seeded by the step and `salts` (a number of each
+    parameter's own). `blocks`: `block_table` of the sizes, if the caller keeps it."""
+    lists = [params, grads, exp_avgs, exp_avg_sqs, steps] + ([masters] if masters is not None else [])
+    assert len({len(x) for x in lists}) == 1 and params, [len(x) for x in lists]
+    for i, p in enumerate(params):
+        tensors = [grads[i], exp_avgs[i], exp_avg_sqs[i]] + ([masters[i]] if masters is not None else [])
+        assert p.is_contiguous() and all(t.is_contiguous() and t.shape == p.shape for t in tensors)
+        assert steps[i].numel() == 1 and steps[i].dtype == torch.float32, steps[i]
+        assert all(x[i].dtype == x[0].dtype and x[i].device == p.device for x in lists[:4]), "one dtype per list"
+        assert masters is None or masters[i].dtype == torch.float32
+    bf16_moments = exp_avgs[0].dtype == torch.bfloat16
+    assert exp_avg_sqs[0].dtype == exp_avgs[0].dtype and (bf16_moments or exp_avgs[0].dtype == torch.float32)
+    device = params[0].device
+    numels = [p.numel() for p in params]
+    blocks = block_table(numels, device) if blocks is None else blocks
+    if not len(blocks):
         return
-    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        param, master if master is not None else param, grad, exp_avg, exp_avg_sq, step,
-        grad_scale if grad_scale is not None else step, found_inf if found_inf is not None else step, n, lr,
-        weight_decay, beta1, beta2, _log2(beta1), _log2(beta2), eps, salt, HAS_MASTER=master is not None,
+    salts = salts or [0] * len(params)
+    rows = [[p.data_ptr(), (masters[i] if masters is not None else p).data_ptr(), grads[i].data_ptr(),
+             exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(), steps[i].data_ptr(), numels[i], salts[i]]
+            for i, p in enumerate(params)]
+    table = torch.tensor(rows, dtype=torch.int64)
+    # from pinned memory the copy waits for nothing (the table is freed only once the copy has run)
+    table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+    _adamw_kernel[(len(blocks),)](
+        table, blocks, params[0], grads[0], exp_avgs[0],
+        grad_scale if grad_scale is not None else steps[0], found_inf if found_inf is not None else steps[0], lr,
+        weight_decay, beta1, beta2, _log2(beta1), _log2(beta2), eps, HAS_MASTER=masters is not None,
         HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, BF16_MOMENTS=bf16_moments, BLOCK=BLOCK,
         num_warps=WARPS)
