@@ -280,3 +280,33 @@ def test_auto_is_torchs_fused_adamw_on_the_cpu():
 @pytest.mark.gpu
 def test_auto_is_triton_on_cuda():
     assert isinstance(build_optimizer(_model("cuda"), OptimConfig()), TritonAdamW)
+
+
+@pytest.mark.parametrize("bf16_moments", [False, True])
+def test_full_blocks_load_and_store_16_bytes_at_a_time(bf16_moments):
+    """The kernel reads its addresses from a table, where the compiler cannot see their alignment or the tensors'
+    sizes: without the alignment hint and the unmasked full-block path it issues 2- and 4-byte accesses and the step
+    runs ~1.5x longer (measured on an H200). Compiled ahead of time for sm_90a, on any machine with Triton's ptxas."""
+    import re
+
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    moment = "*bf16" if bf16_moments else "*fp32"
+    pointers = {"table_ptr": "*i64", "blocks_ptr": "*i32", "p_like": "*bf16", "master_like": "*fp32",
+                "g_like": "*bf16", "m_like": moment, "step_like": "*fp32", "scale_ptr": "*fp32", "skip_ptr": "*fp32"}
+    floats = dict.fromkeys(("lr", "weight_decay", "beta1", "beta2", "log2_beta1", "log2_beta2", "eps"), "fp32")
+    flags = {"HAS_MASTER": True, "HAS_SCALE": True, "HAS_SKIP": True, "BF16_MOMENTS": bf16_moments, "ALIGNED": True,
+             "BLOCK": kernel.BLOCK}
+    source = ASTSource(fn=kernel._adamw_kernel, signature={**pointers, **floats, **dict.fromkeys(flags, "constexpr")},
+                       constexprs=flags)
+    try:
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": kernel.WARPS}).asm["ptx"]
+    except Exception as err:  # noqa: BLE001 (a Triton without its CUDA toolchain)
+        pytest.skip(f"cannot compile for sm_90a here: {err}")
+    # a thread's 8 elements of a full block, in 16-byte accesses: 1 of bf16, 2 of fp32
+    moments = 2 * (1 if bf16_moments else 2)
+    loads, stores = 1 + 2 + moments, 2 + 1 + moments  # gradient, master, moments in; master, parameter, moments out
+    assert len(re.findall(r"\bld\.global\.v4\.b32", ptx)) == loads
+    assert len(re.findall(r"\bst\.global\.v4\.b32", ptx)) == stores

@@ -51,52 +51,92 @@ FIELDS = tl.constexpr(8)  # per tensor in the address table: param, master, grad
 
 
 @triton.jit
-def _adamw_kernel(table_ptr, blocks_ptr, p_like, g_like, m_like, scale_ptr, skip_ptr,
-                  lr, weight_decay, beta1, beta2, log2_beta1, log2_beta2, eps,
-                  HAS_MASTER: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr,
-                  BF16_MOMENTS: tl.constexpr, BLOCK: tl.constexpr):
-    """One BLOCK of one tensor per program: blocks_ptr holds (tensor, block) per program, table_ptr each tensor's
-    FIELDS (addresses as int64, numel, salt). p_like, g_like, m_like: a parameter, gradient and moment whose dtypes
-    every tensor of the launch shares (the addresses carry none)."""
-    if HAS_SKIP:
-        if tl.load(skip_ptr) != 0:
-            return
-    pid = tl.program_id(0)
-    row = table_ptr + tl.load(blocks_ptr + 2 * pid) * FIELDS
-    p_ptr = tl.load(row).to(p_like.dtype)
-    master_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-    g_ptr = tl.load(row + 2).to(g_like.dtype)
-    m_ptr = tl.load(row + 3).to(m_like.dtype)
-    v_ptr = tl.load(row + 4).to(m_like.dtype)
-    step = tl.load(tl.load(row + 5).to(tl.pointer_type(tl.float32)))
-    n = tl.load(row + 6)
-    offs = tl.load(blocks_ptr + 2 * pid + 1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+def _load(ptr, offs, n, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptr + offs, mask=offs < n, other=0.0)
+    else:
+        return tl.load(ptr + offs)
+
+
+@triton.jit
+def _store(ptr, offs, n, value, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, value, mask=offs < n)
+    else:
+        tl.store(ptr + offs, value)
+
+
+@triton.jit
+def _adamw_block(p_ptr, master_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, n, step, seed,
+                 lr, weight_decay, beta1, beta2, log2_beta1, log2_beta2, eps,
+                 HAS_MASTER: tl.constexpr, HAS_SCALE: tl.constexpr, BF16_MOMENTS: tl.constexpr, MASKED: tl.constexpr):
     bias1 = 1.0 - tl.exp2(step * log2_beta1)
     bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = _load(g_ptr, offs, n, MASKED).to(tl.float32)
     if HAS_SCALE:
         g = g / tl.load(scale_ptr).to(tl.float32)
     if HAS_MASTER:
-        p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+        p = _load(master_ptr, offs, n, MASKED)
     else:
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        p = _load(p_ptr, offs, n, MASKED).to(tl.float32)
+    m = _load(m_ptr, offs, n, MASKED).to(tl.float32)
+    v = _load(v_ptr, offs, n, MASKED).to(tl.float32)
     p = p - lr * weight_decay * p
     m = m + (1.0 - beta1) * (g - m)
     v = beta2 * v + (1.0 - beta2) * g * g
     p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
     if HAS_MASTER:
-        tl.store(master_ptr + offs, p, mask=mask)
-    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+        _store(master_ptr, offs, n, p, MASKED)
+    _store(p_ptr, offs, n, p.to(p_ptr.dtype.element_ty), MASKED)
     if BF16_MOMENTS:
-        r_m, r_v, _, _ = tl.randint4x(step.to(tl.int64) * 65537 + tl.load(row + 7), offs)
-        tl.store(m_ptr + offs, _stochastic_bf16(m, r_m), mask=mask)
-        tl.store(v_ptr + offs, _stochastic_bf16(v, r_v), mask=mask)
+        r_m, r_v, _, _ = tl.randint4x(seed, offs)
+        _store(m_ptr, offs, n, _stochastic_bf16(m, r_m), MASKED)
+        _store(v_ptr, offs, n, _stochastic_bf16(v, r_v), MASKED)
     else:
-        tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+        _store(m_ptr, offs, n, m.to(m_ptr.dtype.element_ty), MASKED)
+        _store(v_ptr, offs, n, v.to(v_ptr.dtype.element_ty), MASKED)
+
+
+@triton.jit
+def _address(row, field, like, ALIGNED: tl.constexpr):
+    """A pointer to `like`'s element type from the table; ALIGNED: every address of the launch is a multiple of 16
+    bytes, which the compiler needs to know (as it does of a pointer argument) to load 16 bytes at a time."""
+    ptr = tl.load(row + field).to(like.dtype)
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _adamw_kernel(table_ptr, blocks_ptr, p_like, master_like, g_like, m_like, step_like, scale_ptr, skip_ptr,
+                  lr, weight_decay, beta1, beta2, log2_beta1, log2_beta2, eps,
+                  HAS_MASTER: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr,
+                  BF16_MOMENTS: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """One BLOCK of one tensor per program: blocks_ptr holds (tensor, block) per program, table_ptr each tensor's
+    FIELDS (addresses as int64, numel, salt). The *_like arguments: tensors whose dtypes every tensor of the launch
+    shares (the addresses carry none). A full block loads and stores unmasked: a mask against a numel read from
+    memory would keep the compiler from 16-byte accesses."""
+    if HAS_SKIP:
+        if tl.load(skip_ptr) != 0:
+            return
+    pid = tl.program_id(0)
+    row = table_ptr + tl.load(blocks_ptr + 2 * pid).to(tl.int64) * FIELDS
+    p_ptr = _address(row, 0, p_like, ALIGNED)
+    master_ptr = _address(row, 1, master_like, ALIGNED)
+    g_ptr = _address(row, 2, g_like, ALIGNED)
+    m_ptr = _address(row, 3, m_like, ALIGNED)
+    v_ptr = _address(row, 4, m_like, ALIGNED)
+    step = tl.load(_address(row, 5, step_like, False))
+    n = tl.load(row + 6)
+    first = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64) * BLOCK
+    offs = first + tl.arange(0, BLOCK)
+    seed = step.to(tl.int64) * 65537 + tl.load(row + 7)
+    if first + BLOCK <= n:
+        _adamw_block(p_ptr, master_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, n, step, seed, lr, weight_decay,
+                     beta1, beta2, log2_beta1, log2_beta2, eps, HAS_MASTER, HAS_SCALE, BF16_MOMENTS, False)
+    else:
+        _adamw_block(p_ptr, master_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, n, step, seed, lr, weight_decay,
+                     beta1, beta2, log2_beta1, log2_beta2, eps, HAS_MASTER, HAS_SCALE, BF16_MOMENTS, True)
 
 
 def _log2(beta: float) -> float:
@@ -104,12 +144,12 @@ def _log2(beta: float) -> float:
 
 
 def block_table(numels: list[int], device: torch.device) -> Tensor:
-    """(tensor, block) of every program of one launch over tensors of these sizes: int64 (programs, 2). It
+    """(tensor, block) of every program of one launch over tensors of these sizes: int32 (programs, 2). It
     depends on the sizes alone, so a caller keeps it from step to step."""
     blocks = torch.tensor([triton.cdiv(n, BLOCK) for n in numels], dtype=torch.int64)
     tensor = torch.repeat_interleave(torch.arange(len(numels)), blocks)
     first = torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
-    return torch.stack([tensor, torch.arange(len(tensor)) - first], dim=1).to(device)
+    return torch.stack([tensor, torch.arange(len(tensor)) - first], dim=1).to(device, torch.int32)
 
 
 def adamw_tensors_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
@@ -144,11 +184,12 @@ def adamw_tensors_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
              exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(), steps[i].data_ptr(), numels[i], salts[i]]
             for i, p in enumerate(params)]
     table = torch.tensor(rows, dtype=torch.int64)
+    aligned = bool((table[:, :5] % 16 == 0).all())
     # from pinned memory the copy waits for nothing (the table is freed only once the copy has run)
     table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
     _adamw_kernel[(len(blocks),)](
-        table, blocks, params[0], grads[0], exp_avgs[0],
+        table, blocks, params[0], masters[0] if masters is not None else steps[0], grads[0], exp_avgs[0], steps[0],
         grad_scale if grad_scale is not None else steps[0], found_inf if found_inf is not None else steps[0], lr,
         weight_decay, beta1, beta2, _log2(beta1), _log2(beta2), eps, HAS_MASTER=masters is not None,
-        HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, BF16_MOMENTS=bf16_moments, BLOCK=BLOCK,
-        num_warps=WARPS)
+        HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, BF16_MOMENTS=bf16_moments, ALIGNED=aligned,
+        BLOCK=BLOCK, num_warps=WARPS)
