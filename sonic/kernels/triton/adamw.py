@@ -149,7 +149,13 @@ def block_table(numels: list[int], device: torch.device) -> Tensor:
     blocks = torch.tensor([triton.cdiv(n, BLOCK) for n in numels], dtype=torch.int64)
     tensor = torch.repeat_interleave(torch.arange(len(numels)), blocks)
     first = torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
-    return torch.stack([tensor, torch.arange(len(tensor)) - first], dim=1).to(device, torch.int32)
+    return _to_device(torch.stack([tensor, torch.arange(len(tensor)) - first], dim=1).to(torch.int32), device)
+
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    """`host` on `device`; to CUDA through pinned memory, so the copy waits for no queued kernel (a copy from
+    pageable memory would: a sync in the step). The pinned buffer is freed only once the copy has run."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def adamw_tensors_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
@@ -185,8 +191,7 @@ def adamw_tensors_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
             for i, p in enumerate(params)]
     table = torch.tensor(rows, dtype=torch.int64)
     aligned = bool((table[:, :5] % 16 == 0).all())
-    # from pinned memory the copy waits for nothing (the table is freed only once the copy has run)
-    table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+    table = _to_device(table, device)
     _adamw_kernel[(len(blocks),)](
         table, blocks, params[0], masters[0] if masters is not None else steps[0], grads[0], exp_avgs[0], steps[0],
         grad_scale if grad_scale is not None else steps[0], found_inf if found_inf is not None else steps[0], lr,
