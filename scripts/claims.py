@@ -321,6 +321,8 @@ E2E_1X_WEIGHTS = {f"{dtype}-{n}": f"2026-11-25-1xh200-e2e-40L-{dtype}weights-{n}
 E2E_1X_GRAPHS = {f"{kind}-{n}": f"2026-11-25-1xh200-e2e-40L-{kind}-{n}.json" for kind in ("onegraph", "fivegraphs")
                  for n in (1, 2)}
 E2E_1X_MOMENTS = {n: f"2026-11-25-1xh200-e2e-40L-moments-{n}.json" for n in (1, 2)}
+E2E_1X_LAUNCHES = {f"{when}-{n}": f"2026-11-25-1xh200-e2e-40L-launches-{when}-{n}.json" for when in ("before", "after")
+                   for n in (1, 2)}
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
     Text("steps (averaged)", "steps_averaged"),
@@ -397,7 +399,13 @@ TABLES = (
               e2e("`optim.moment_dtype=bf16`: both moments in bf16, stochastically rounded (second run)",
                   E2E_1X_MOMENTS[1], "cute_bf16moments_40L"),
               e2e("fp32 moments again (third run)", E2E_1X_MOMENTS[2], "cute_40L"),
-              e2e("bf16 moments again (fourth run)", E2E_1X_MOMENTS[2], "cute_bf16moments_40L"))),
+              e2e("bf16 moments again (fourth run)", E2E_1X_MOMENTS[2], "cute_bf16moments_40L"),
+              e2e("recipe, one GPU, cute, top-K, `2544a37`'s sonic/ (first of four runs in two calls, on one machine)",
+                  E2E_1X_LAUNCHES["before-1"], "cute_40L"),
+              e2e("AdamW in one launch per param group, batches copied without a sync, q/k/v and the shared "
+                  "expert's gate/up each one GEMM (`eaccba7`; second run)", E2E_1X_LAUNCHES["after-1"], "cute_40L"),
+              e2e("`eaccba7` again (third run, the next call)", E2E_1X_LAUNCHES["after-2"], "cute_40L"),
+              e2e("`2544a37` again (fourth run)", E2E_1X_LAUNCHES["before-2"], "cute_40L"))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),
