@@ -1,0 +1,29 @@
+"""bench.peer_titan: the peer harness runs Sonic's side on real batches and appends a like-for-like row; the titan
+side without torchtitan is one clear error (on the CPU: gloo, the reference experts, timings meaningless)."""
+import importlib.util
+import json
+
+import pytest
+
+from bench import peer_titan
+
+
+def test_sonic_side_appends_a_like_for_like_row(tmp_path):
+    out = tmp_path / "peer.jsonl"
+    args = ["--which", "sonic", "--device", "cpu", "--layers", "1", "--batch", "2x32", "--data", "embedded",
+            "--backend", "reference", "--steps", "1", "--warmup", "1", "--jsonl", str(out)]
+    peer_titan.main(args)
+    peer_titan.main(args)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2
+    row = rows[0]
+    assert row["which"] == "sonic" and row["like_for_like"] is True and row["compile"] is False
+    assert row["data"] == "embedded" and row["batch"] == "2x32" and row["tokens_per_s"] > 0
+    assert row["loss"] == rows[1]["loss"] and 0 < row["loss"] < 30  # the same seed and batches: the same loss
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is not None, reason="torchtitan is installed here")
+def test_titan_side_without_torchtitan_names_the_fix(tmp_path):
+    with pytest.raises(SystemExit, match="cannot import torchtitan from .*unpack torchtitan==0.3.0"):
+        peer_titan.main(["--which", "titan", "--device", "cpu", "--titan-path", str(tmp_path), "--layers", "1",
+                         "--jsonl", str(tmp_path / "peer.jsonl")])
