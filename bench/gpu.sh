@@ -8,6 +8,8 @@
 #              when the machine has no .git); writes bench/results/<date>-<gpu>-smoke.json
 #   tests      every GPU test (pytest $TESTS -m gpu; TESTS defaults to tests)
 #   levers     per-lever step throughput, sonic_7b cut to $LAYERS layers (python -m bench.levers)
+#   profile    the real trainer's 40-layer sonic_7b step under torch.profiler: where the GPU idles and why
+#              (python -m bench.trainer_profile); $PROFILE_ARGS adds options and overrides
 #   e2e        the 40-layer sonic_7b with the real trainer on the local BPE data, on every visible GPU
 #              (python -m scripts.repro.e2e_throughput --run); $E2E_ARGS adds options
 #   kernels    Table 9b: all twelve layer configs x cute, triton, grouped_mm
@@ -67,6 +69,9 @@ run_stage() {
     levers)
       timeout "${LEVERS_S:-540}" python3 -m bench.levers --layers "${LAYERS:-8}" ${LEVERS_ARGS:-} 2>&1 \
         | grep -v Warning | tee "$OUT/levers.log" | tail -40 ;;
+    profile)
+      timeout "${PROFILE_S:-400}" python3 -m bench.trainer_profile ${PROFILE_ARGS:-} 2>&1 \
+        | grep -v "INFO\] - step\|Warning" | tee "$OUT/trainer_profile.log" | tail -8 ;;
     e2e)
       timeout "${E2E_S:-560}" python3 -m scripts.repro.e2e_throughput --run ${E2E_ARGS:-} 2>&1 \
         | grep -v "INFO\] - step" | tee "$OUT/e2e.log" | tail -60 ;;
@@ -128,7 +133,7 @@ run_stage() {
             "${extra[@]}" 2>&1 | grep -v Warning | tee "$OUT/routing_health-$tag.log" | tail -30
         done
       done ;;
-    *) echo "unknown stage $1 (smoke | tests | levers | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | fuzz | ep | routing)" >&2
+    *) echo "unknown stage $1 (smoke | tests | levers | profile | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | fuzz | ep | routing)" >&2
        return 2 ;;
   esac
 }
