@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from bench.common import RESULTS, compose_config, git_commit, gpu_name
+from bench.common import RESULTS, compose_config, cuda_or_exit, git_commit, gpu_name
 
 DIMS = {"dim": 1536, "heads": 24, "head_dim": 64, "experts": 128, "top_k": 8, "expert_dim": 256, "vocab": 100352}
 
@@ -136,9 +136,8 @@ def main(argv=None):
     ap.add_argument("--jsonl", default=None)
     args = ap.parse_args(argv)
     B, S = (int(v) for v in args.batch.split("x"))
+    cuda_or_exit(args.device, "bench.peer_titan")
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench.peer_titan needs a GPU (--device cpu smoke-tests the harness)")
     with tempfile.TemporaryDirectory() as store:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}/pg",
                                 rank=0, world_size=1)

@@ -67,8 +67,8 @@ class TritonAdamW(torch.optim.AdamW):
     compute_dtype (e.g. bf16; one GPU, see `weights_dtype`): the parameters are cast to it here, after an fp32
     copy of each is kept as state["master"]. The forward and backward then run on them with no cast, their
     gradients come in that dtype, and each step updates the master and writes it back rounded. The moments are
-    fp32 unless moment_dtype says otherwise. A checkpoint holds the masters as the model's weights (`sonic.train.checkpoint.state_dicts`), so it is
-    the same as one of fp32 weights, whichever way it moves.
+    fp32 unless moment_dtype says otherwise. A checkpoint holds the masters as the model's weights
+    (`sonic.train.checkpoint.state_dicts`), so it is the same as one of fp32 weights, whichever way it moves.
 
     moment_dtype=bf16 (optim.moment_dtype): both moments are held in bf16 (stochastic rounding in the kernel).
     Loaded moments are cast to it, so a checkpoint moves between bf16 and fp32 moments either way."""
@@ -157,7 +157,8 @@ class TritonAdamW(torch.optim.AdamW):
             beta1, beta2 = group["betas"]
             for key, rows in launches.items():
                 params, grads, exp_avgs, exp_avg_sqs, steps, masters, salts = map(list, zip(*rows))
-                compat.foreach_add_(steps, torch.ones((), device=steps[0].device) if found_inf is None else 1 - found_inf)
+                one = torch.ones((), device=steps[0].device) if found_inf is None else 1 - found_inf
+                compat.foreach_add_(steps, one)  # a skipped step does not count
                 sizes, kept = [p.numel() for p in params], self._blocks.get((id(group), key))
                 if kept is None or kept[0] != sizes:  # the launch's (tensor, block) table depends on the sizes alone
                     kept = self._blocks[id(group), key] = sizes, block_table(sizes, params[0].device)

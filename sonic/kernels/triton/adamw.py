@@ -47,7 +47,7 @@ def _stochastic_bf16(x, bits):
     return tl.where(x == x, up, x).to(tl.bfloat16)  # NaN stays NaN (its carry could reach the sign)
 
 
-FIELDS = tl.constexpr(8)  # per tensor in the address table: param, master, grad, exp_avg, exp_avg_sq, step, numel, salt
+FIELDS = tl.constexpr(8)  # per tensor in the address table: param, master, grad, exp_avg, exp_avg_sq, step, n, salt
 
 
 @triton.jit
@@ -147,9 +147,9 @@ def block_table(numels: list[int], device: torch.device) -> Tensor:
     """(tensor, block) of every program of one launch over tensors of these sizes: int32 (programs, 2). It
     depends on the sizes alone, so a caller keeps it from step to step."""
     blocks = torch.tensor([triton.cdiv(n, BLOCK) for n in numels], dtype=torch.int64)
-    tensor = torch.repeat_interleave(torch.arange(len(numels)), blocks)
-    first = torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
-    return _to_device(torch.stack([tensor, torch.arange(len(tensor)) - first], dim=1).to(torch.int32), device)
+    owner = torch.repeat_interleave(torch.arange(len(numels)), blocks)
+    first = torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)  # the owner's first program
+    return _to_device(torch.stack([owner, torch.arange(len(owner)) - first], dim=1).to(torch.int32), device)
 
 
 def _to_device(host: Tensor, device: torch.device) -> Tensor:
