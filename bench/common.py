@@ -65,14 +65,15 @@ def git_commit() -> str:
 
 def write_json(path: Path, payload: dict) -> Path:
     """Writes payload with the command, date, commit (payload's own wins), device and torch, and copies it to
-    $OUT when there is one (the GPU machine's return folder)."""
+    $OUT when there is one (the GPU machine's return folder) and the file is a result under bench/results/; a
+    file written elsewhere (a test's temporary folder, an explicit path) is where its caller wants it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"command": command_line(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                "commit": git_commit(), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__, **payload}
     path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     out_dir = os.environ.get("OUT")
-    if out_dir:
+    if out_dir and path.resolve().is_relative_to(RESULTS.resolve()):
         Path(out_dir, path.name).write_text(path.read_text())
     return path
 

@@ -29,11 +29,14 @@
 #              ep=1,2 on local BPE text, then $FIRST_STEP_MODEL cut to $FIRST_STEP_LAYERS at ep=2 on the
 #              embedded corpus (python -m bench.expert_parallel)
 #   routing    issue #30: sonic_7b cut to each of $ROUTING_LAYERS (default 16) layers on the local BPE data,
-#              100 steps, the cosine peak at step 20, one run per arm of $ROUTING_ARMS (default "topk-prefix
+#              100 steps, the cosine peak at step $ROUTING_WARMUP (default 20; issue #25's run at its recipe's
+#              speed: ROUTING_LAYERS=40 ROUTING_WARMUP=50 ROUTING_BACKEND=cute), kernels of $ROUTING_BACKEND
+#              (default triton), one run per arm of $ROUTING_ARMS (default "topk-prefix
 #              topk-none": routing group - routing.input_centring, then optional +key=value overrides of
 #              model.moe.routing, e.g. topk-prefix+bias_update_rate=0.05), each layer's load curve and the router
 #              diagnostics (python -m bench.routing_health; bench/results/<date>-<gpu>-routing_health-<tag>.json,
-#              tag <L>L-<group>-<centring>[-<key><value>...]; diagnostics every $ROUTING_DIAG_EVERY steps, default 20)
+#              tag <L>L-<group>-<centring>[-<key><value>...][-w<warmup>][-<backend>], the last two where not the
+#              defaults; diagnostics every $ROUTING_DIAG_EVERY steps, default 20)
 #
 # What the GPU image lacks travels in ignored folders named in the call's `carry`:
 #   .whl   wheels: hydra-core, omegaconf, antlr4-python3-runtime (needed), liger-kernel and
@@ -122,14 +125,17 @@ run_stage() {
       for layers in ${ROUTING_LAYERS:-16}; do
         for arm in ${ROUTING_ARMS:-topk-prefix topk-none}; do
           base=${arm%%+*}; extra=(); tag="${layers}L-$base"
+          warmup=${ROUTING_WARMUP:-20}; backend=${ROUTING_BACKEND:-triton}
           if [ "$arm" != "$base" ]; then  # +key=value[+key=value]: more model.moe.routing overrides
             IFS=+ read -ra kv <<< "${arm#*+}"
             for o in "${kv[@]}"; do extra+=("model.moe.routing.$o"); tag+="-${o//=/}"; done
           fi
+          [ "$warmup" = 20 ] || tag+="-w$warmup"
+          [ "$backend" = triton ] || tag+="-$backend"
           timeout "${ROUTING_S:-540}" python3 -m bench.routing_health --tag "$tag" \
             --diag-every "${ROUTING_DIAG_EVERY:-20}" experiment=sonic_7b \
-            data=local_bpe optim.warmup_steps=20 train.steps=100 model.num_layers="$layers" \
-            model.moe.kernel_backend=triton routing="${base%-*}" model.moe.routing.input_centring="${base#*-}" \
+            data=local_bpe optim.warmup_steps="$warmup" train.steps=100 model.num_layers="$layers" \
+            model.moe.kernel_backend="$backend" routing="${base%-*}" model.moe.routing.input_centring="${base#*-}" \
             "${extra[@]}" 2>&1 | grep -v Warning | tee "$OUT/routing_health-$tag.log" | tail -30
         done
       done ;;

@@ -93,3 +93,14 @@ def test_gpu_gaps_splits_idle_time_by_whether_the_host_had_queued_the_next_op():
     assert [(x["op"], x["why"]) for x in g["idle_before"]] == [("k3", "host_bound"), ("Memcpy", "unlinked"),
                                                                ("k2", "queued")]
     assert common.gpu_gaps([events[-1]]) == {}
+
+
+def test_only_results_under_bench_results_go_back_to_out(tmp_path, monkeypatch):
+    """On the GPU machine $OUT is what comes back: the results the call made, not a test's temporary files."""
+    out, results = tmp_path / "out_dir", tmp_path / "repo" / "bench" / "results"
+    out.mkdir()
+    monkeypatch.setenv("OUT", str(out))
+    monkeypatch.setattr(common, "RESULTS", results)
+    common.write_json(results / "2026-01-01-h100-x.json", {"x": 1})
+    common.write_json(tmp_path / "elsewhere" / "y.json", {"y": 1})
+    assert sorted(p.name for p in out.iterdir()) == ["2026-01-01-h100-x.json"]
