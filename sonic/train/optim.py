@@ -36,8 +36,9 @@ class OptimConfig:
     # grad_scale; bench/results/2026-11-24-h200-train_step-8L-optimizers.json). auto: triton on CUDA, else fused.
     implementation: str = "auto"  # auto | triton | fused | foreach | for_loop (the last three: torch.optim.AdamW's)
     # bf16: triton's AdamW keeps both moments in bf16, stored with stochastic rounding (sonic/kernels/triton/adamw.py):
-    # 8 bytes per weight less to hold and to move each step. fp32: torch's.
-    moment_dtype: str = "fp32"  # fp32 | bf16
+    # 8 bytes per weight less to hold and to move each step (DeepSeek-V3 trains its AdamW moments in bf16 too).
+    # fp32: torch's. auto: bf16 where the implementation resolves to triton, fp32 elsewhere (docs/performance.md).
+    moment_dtype: str = "auto"  # auto | fp32 | bf16
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -54,8 +55,8 @@ class OptimConfig:
             raise ValueError(f"optim.implementation={self.implementation!r} is not one of {', '.join(IMPLEMENTATIONS)}")
         if not 0 <= self.decay_fraction <= 1:
             raise ValueError(f"optim.decay_fraction={self.decay_fraction} must be in [0, 1]")
-        if self.moment_dtype not in MOMENT_DTYPES:
-            raise ValueError(f"optim.moment_dtype={self.moment_dtype!r} is not one of {', '.join(MOMENT_DTYPES)}")
+        if self.moment_dtype != "auto" and self.moment_dtype not in MOMENT_DTYPES:
+            raise ValueError(f"optim.moment_dtype={self.moment_dtype!r} is not one of auto, {', '.join(MOMENT_DTYPES)}")
 
 
 class TritonAdamW(torch.optim.AdamW):
@@ -209,13 +210,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dty
         raise ValueError(f"optim.implementation={cfg.implementation} keeps no fp32 master weights, which one GPU "
                          f"needs to hold its weights in parallel.param_dtype (bf16); use optim.implementation=triton "
                          f"(auto), or set parallel.param_dtype=fp32 to keep fp32 weights cast per op by autocast")
-    if cfg.moment_dtype != "fp32" and implementation != "triton":
-        raise ValueError(f"optim.moment_dtype={cfg.moment_dtype} needs optim.implementation=triton (auto on CUDA), "
-                         f"whose kernel rounds the moments stochastically; optim.implementation={cfg.implementation} "
-                         f"resolves to {implementation} here: set optim.moment_dtype=fp32")
+    moment_dtype = resolve_moment_dtype(cfg, implementation)
     if implementation == "triton":
         optimizer = TritonAdamW(groups, lr=cfg.lr, compute_dtype=compute_dtype,
-                                moment_dtype=None if cfg.moment_dtype == "fp32" else MOMENT_DTYPES[cfg.moment_dtype])
+                                moment_dtype=None if moment_dtype == "fp32" else MOMENT_DTYPES[moment_dtype])
     else:
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, **_IMPLEMENTATION_FLAGS[implementation])
     apply_config(optimizer, cfg)
@@ -232,6 +230,18 @@ def resolve_implementation(implementation: str, params) -> str:
         raise ValueError(f"optim.implementation=triton runs on CUDA GPUs; the parameters are on {', '.join(devices)}. "
                          "Use optim.implementation=fused (torch's, also on the CPU) or auto")
     return implementation
+
+
+def resolve_moment_dtype(cfg: OptimConfig, implementation: str) -> str:
+    """optim.moment_dtype for the resolved implementation: auto is bf16 with triton, whose kernel rounds the moments
+    stochastically (round to nearest would stall them), and fp32 with torch's implementations."""
+    if cfg.moment_dtype == "auto":
+        return "bf16" if implementation == "triton" else "fp32"
+    if cfg.moment_dtype != "fp32" and implementation != "triton":
+        raise ValueError(f"optim.moment_dtype={cfg.moment_dtype} needs optim.implementation=triton (auto on CUDA), "
+                         f"whose kernel rounds the moments stochastically; optim.implementation={cfg.implementation} "
+                         f"resolves to {implementation} here: set optim.moment_dtype=fp32 or auto")
+    return cfg.moment_dtype
 
 
 # torch.optim.AdamW's flags for each optim.implementation (None: torch's default, False here)

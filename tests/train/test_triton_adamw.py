@@ -225,9 +225,9 @@ def test_triton_adamw_takes_torchs_step_on_the_gpu():
 
 
 def test_only_triton_keeps_bf16_moments():
-    with pytest.raises(ValueError, match="moment_dtype=bf16 needs optim.implementation=triton.*moment_dtype=fp32"):
+    with pytest.raises(ValueError, match="moment_dtype=bf16 needs optim.implementation=triton.*moment_dtype=fp32 or auto"):
         build_optimizer(_model(), OptimConfig(moment_dtype="bf16"))
-    with pytest.raises(ValueError, match="optim.moment_dtype='fp16' is not one of fp32, bf16"):
+    with pytest.raises(ValueError, match="optim.moment_dtype='fp16' is not one of auto, fp32, bf16"):
         OptimConfig(moment_dtype="fp16")
 
 
@@ -271,15 +271,32 @@ def test_torchs_fused_adamw_takes_the_clip_as_a_divisor():
     assert clip_grad_norm(_model().parameters(), float("inf"), scale_in_step=True)[1] is None  # no clip, no divisor
 
 
-def test_auto_is_torchs_fused_adamw_on_the_cpu():
-    optimizer = build_optimizer(_model(), OptimConfig())
-    assert OptimConfig().implementation == "auto" and type(optimizer) is torch.optim.AdamW
+def _moment_dtypes(optimizer) -> set[torch.dtype]:
+    return {state[key].dtype for state in optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")}
+
+
+def test_auto_is_torchs_fused_adamw_with_fp32_moments_on_the_cpu():
+    model = _model()
+    optimizer = build_optimizer(model, OptimConfig())
+    assert (OptimConfig().implementation, OptimConfig().moment_dtype) == ("auto", "auto")
+    assert type(optimizer) is torch.optim.AdamW
     assert all(group["fused"] for group in optimizer.param_groups) and takes_grad_scale(optimizer)
+    model(torch.zeros(1, 4, dtype=torch.long)).logits_BSV.sum().backward()
+    optimizer.step()
+    assert _moment_dtypes(optimizer) == {torch.float32}
 
 
 @pytest.mark.gpu
-def test_auto_is_triton_on_cuda():
-    assert isinstance(build_optimizer(_model("cuda"), OptimConfig()), TritonAdamW)
+def test_auto_is_triton_with_bf16_moments_on_cuda():
+    """optim.moment_dtype=auto holds triton's moments in bf16 (docs/performance.md has the loss curves); fp32 stays
+    one override away."""
+    for moment_dtype, want in (("auto", torch.bfloat16), ("fp32", torch.float32)):
+        model = _model("cuda")
+        optimizer = build_optimizer(model, OptimConfig(moment_dtype=moment_dtype))
+        assert isinstance(optimizer, TritonAdamW)
+        model(torch.zeros(1, 4, dtype=torch.long, device="cuda")).logits_BSV.sum().backward()
+        optimizer.step()
+        assert _moment_dtypes(optimizer) == {want}, moment_dtype
 
 
 @pytest.mark.parametrize("bf16_moments", [False, True])
