@@ -7,8 +7,10 @@ pytest.importorskip("wandb")
 
 
 def run_ids(run_dir) -> list[str]:
-    """The run id of each wandb run written offline under run_dir (offline-run-<time>-<id>)."""
-    return [p.name.rsplit("-", 1)[1] for p in sorted((run_dir / "wandb").glob("offline-run-*"))]
+    """The run id of each wandb run written offline under run_dir, from its log run-<id>.wandb: the folder,
+    offline-run-<time>-<id>, gains a suffix (-1) when a resume starts within the same second as its run."""
+    return [next(p.glob("run-*.wandb")).stem.removeprefix("run-")
+            for p in sorted((run_dir / "wandb").glob("offline-run-*"))]
 
 
 def test_a_resumed_run_logs_to_the_same_wandb_run(tmp_path):
