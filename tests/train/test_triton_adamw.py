@@ -299,13 +299,9 @@ def test_auto_is_triton_with_bf16_moments_on_cuda():
         assert _moment_dtypes(optimizer) == {want}, moment_dtype
 
 
-@pytest.mark.parametrize("bf16_moments", [False, True])
-def test_full_blocks_load_and_store_16_bytes_at_a_time(bf16_moments):
-    """The kernel reads its addresses from a table, where the compiler cannot see their alignment or the tensors'
-    sizes: without the alignment hint and the unmasked full-block path it issues 2- and 4-byte accesses and the step
-    runs ~1.5x longer (measured on an H200). Compiled ahead of time for sm_90a, on any machine with Triton's ptxas."""
-    import re
-
+def _sm90_ptx(bf16_moments: bool) -> str:
+    """The step kernel's PTX for sm_90a (bf16 weights, fp32 masters, the clip and the skip), compiled ahead of time on
+    any machine with Triton's ptxas."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -319,11 +315,35 @@ def test_full_blocks_load_and_store_16_bytes_at_a_time(bf16_moments):
     source = ASTSource(fn=kernel._adamw_kernel, signature={**pointers, **floats, **dict.fromkeys(flags, "constexpr")},
                        constexprs=flags)
     try:
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": kernel.WARPS}).asm["ptx"]
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": kernel.WARPS}).asm["ptx"]
     except Exception as err:  # noqa: BLE001 (a Triton without its CUDA toolchain)
         pytest.skip(f"cannot compile for sm_90a here: {err}")
+
+
+@pytest.mark.parametrize("bf16_moments", [False, True])
+def test_full_blocks_load_and_store_16_bytes_at_a_time(bf16_moments):
+    """The kernel reads its addresses from a table, where the compiler cannot see their alignment or the tensors'
+    sizes: without the alignment hint and the unmasked full-block path it issues 2- and 4-byte accesses and the step
+    runs ~1.5x longer (measured on an H200)."""
+    import re
+
+    ptx = _sm90_ptx(bf16_moments)
     # a thread's 8 elements of a full block, in 16-byte accesses: 1 of bf16, 2 of fp32
     moments = 2 * (1 if bf16_moments else 2)
     loads, stores = 1 + 2 + moments, 2 + 1 + moments  # gradient, master, moments in; master, parameter, moments out
     assert len(re.findall(r"\bld\.global\.v4\.b32", ptx)) == loads
     assert len(re.findall(r"\bst\.global\.v4\.b32", ptx)) == stores
+
+
+def test_bf16_moments_random_bits_cost_a_few_instructions():
+    """Stochastic rounding's bits are a cheap hash: Philox (tl.randint4x, ~100 integer instructions an element, its
+    32x32->64-bit products `mul.hi`) made the bf16-moment step compute-bound, no faster than fp32 moments' (H200).
+    Now the kernel is under 2x the fp32-moment kernel's PTX (Philox's was 3.4x)."""
+    import re
+
+    def instructions(ptx: str) -> int:
+        return sum(1 for line in ptx.splitlines() if re.match(r"\s+(@%p\d+\s+)?[a-z]", line))
+
+    bf16, fp32 = _sm90_ptx(True), _sm90_ptx(False)
+    assert "mul.hi" not in bf16
+    assert instructions(bf16) < 2 * instructions(fp32), (instructions(bf16), instructions(fp32))

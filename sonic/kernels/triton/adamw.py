@@ -24,7 +24,9 @@ written as bf16, 8 bytes per weight fewer, and computed in fp32 as above. They a
 rounding: round to nearest would lose every update smaller than half a bf16 step of the moment (v <- b2 v +
 (1 - b2) g^2 then stalls once (1 - b2) g^2 / v falls under 2^-9), stochastic rounding keeps each update in
 expectation. The random bits come from the step count and the parameter's `salt`, so a resumed run draws the
-same ones.
+same ones. They are a murmur3 finaliser of the element's offset and that seed, 32 bits per element (16 per
+moment): Philox (tl.randint4x) spent ~100 integer instructions per element and made the step compute-bound, as
+long as with fp32 moments (a 40-layer sonic_7b step on an H200, e2e rows 55-58 of docs/performance.md).
 """
 from __future__ import annotations
 
@@ -41,10 +43,27 @@ WARPS = 8
 
 @triton.jit
 def _stochastic_bf16(x, bits):
-    """fp32 x rounded to bf16 up or down, up with probability the dropped fraction (bits: 32 random bits)."""
+    """fp32 x rounded to bf16 up or down, up with probability the dropped fraction (bits: 16 random low bits)."""
     u = x.to(tl.uint32, bitcast=True)
     up = ((u + (bits & 0xFFFF)) & 0xFFFF0000).to(tl.float32, bitcast=True)  # exact in bf16: the cast keeps it
     return tl.where(x == x, up, x).to(tl.bfloat16)  # NaN stays NaN (its carry could reach the sign)
+
+
+@triton.jit
+def _mix32(x):
+    """murmur3's 32-bit finaliser: every input bit reaches every output bit (a bijection of uint32)."""
+    x ^= x >> 16
+    x *= 0x85EBCA6B
+    x ^= x >> 13
+    x *= 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _random_bits(seed, offs):
+    """32 random bits per element: a hash of its offset (the low 32 bits) and the seed, ~10 instructions."""
+    key = _mix32(seed.to(tl.uint32) ^ (seed >> 32).to(tl.uint32))
+    return _mix32(offs.to(tl.uint32) * 0x9E3779B1 + key)
 
 
 FIELDS = tl.constexpr(8)  # per tensor in the address table: param, master, grad, exp_avg, exp_avg_sq, step, n, salt
@@ -89,9 +108,9 @@ def _adamw_block(p_ptr, master_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, n, ste
         _store(master_ptr, offs, n, p, MASKED)
     _store(p_ptr, offs, n, p.to(p_ptr.dtype.element_ty), MASKED)
     if BF16_MOMENTS:
-        r_m, r_v, _, _ = tl.randint4x(seed, offs)
-        _store(m_ptr, offs, n, _stochastic_bf16(m, r_m), MASKED)
-        _store(v_ptr, offs, n, _stochastic_bf16(v, r_v), MASKED)
+        bits = _random_bits(seed, offs)
+        _store(m_ptr, offs, n, _stochastic_bf16(m, bits), MASKED)
+        _store(v_ptr, offs, n, _stochastic_bf16(v, bits >> 16), MASKED)
     else:
         _store(m_ptr, offs, n, m.to(m_ptr.dtype.element_ty), MASKED)
         _store(v_ptr, offs, n, v.to(v_ptr.dtype.element_ty), MASKED)
