@@ -14,4 +14,9 @@ def test_moments_bench_compares_both_curves(tmp_path):
     r = json.loads(out.read_text())
     assert [s for s, _ in r["loss"]["fp32"]] == [s for s, _ in r["loss"]["bf16"]] == [5, 10, 15, 20]
     assert r["loss"]["fp32"] != r["loss"]["bf16"]  # two runs, not one read twice
-    assert 0 <= r["max_relative_gap"] < 0.05 and r["loss"]["fp32"][-1][1] < r["loss"]["fp32"][0][1]
+    # 20 steps of a tiny model at a high learning rate part chaotically: the two curves' largest gap was under 5%
+    # with Philox's rounding bits and 6.8% with the hash's (H200), where two fp32 seeds part by half over 500 steps
+    # (docs/performance.md). The bounds catch a bf16 path that does not train (stuck or NaN moments), not a draw.
+    for dtype in ("fp32", "bf16"):
+        assert r["loss"][dtype][-1][1] < 0.8 * r["loss"][dtype][0][1], dtype
+    assert 0 <= r["max_relative_gap"] < 0.15
