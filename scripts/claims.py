@@ -323,6 +323,9 @@ E2E_1X_GRAPHS = {f"{kind}-{n}": f"2026-11-25-1xh200-e2e-40L-{kind}-{n}.json" for
 E2E_1X_MOMENTS = {n: f"2026-11-25-1xh200-e2e-40L-moments-{n}.json" for n in (1, 2)}
 E2E_1X_LAUNCHES = {f"{when}-{n}": f"2026-11-25-1xh200-e2e-40L-launches-{when}-{n}.json" for when in ("before", "after")
                    for n in (1, 2)}
+E2E_1X_DEFAULT_MOMENTS = {f"{bits}-{n}": f"2026-11-25-1xh200-e2e-40L-moments-{bits}-{n}.json"
+                          for bits in ("philox", "hash") for n in (1, 2, 3, 4)}
+E2E_1X_TRITON_E3BA90E = "2026-11-25-1xh200-e2e-40L-triton-e3ba90e.json"
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
     Text("steps (averaged)", "steps_averaged"),
@@ -394,8 +397,8 @@ TABLES = (
                   "cute_40L"),
               e2e("one graph again (third run)", E2E_1X_GRAPHS["onegraph-2"], "cute_40L"),
               e2e("five graphs again (fourth run)", E2E_1X_GRAPHS["fivegraphs-2"], "cute_40L"),
-              e2e("recipe, one GPU, cute, top-K (fp32 AdamW moments, the default; first of four runs in one call, "
-                  "on one machine)", E2E_1X_MOMENTS[1], "cute_40L"),
+              e2e("recipe, one GPU, cute, top-K (fp32 AdamW moments, the default then; first of four runs in one "
+                  "call, on one machine)", E2E_1X_MOMENTS[1], "cute_40L"),
               e2e("`optim.moment_dtype=bf16`: both moments in bf16, stochastically rounded (second run)",
                   E2E_1X_MOMENTS[1], "cute_bf16moments_40L"),
               e2e("fp32 moments again (third run)", E2E_1X_MOMENTS[2], "cute_40L"),
@@ -405,7 +408,21 @@ TABLES = (
               e2e("AdamW in one launch per param group, batches copied without a sync, q/k/v and the shared "
                   "expert's gate/up each one GEMM (`eaccba7`; second run)", E2E_1X_LAUNCHES["after-1"], "cute_40L"),
               e2e("`eaccba7` again (third run, the next call)", E2E_1X_LAUNCHES["after-2"], "cute_40L"),
-              e2e("`2544a37` again (fourth run)", E2E_1X_LAUNCHES["before-2"], "cute_40L"))),
+              e2e("`2544a37` again (fourth run)", E2E_1X_LAUNCHES["before-2"], "cute_40L"),
+              e2e("recipe, one GPU, cute, top-K, bf16 AdamW moments by default (`optim.moment_dtype=auto`), rounded "
+                  "with Philox's bits (`e3ba90e`; first of four runs in one call, on one machine)",
+                  E2E_1X_DEFAULT_MOMENTS["philox-1"], "cute_40L"),
+              e2e("`d48eabb`'s sonic/: fp32 moments, the default before (second run)",
+                  E2E_1X_DEFAULT_MOMENTS["philox-2"], "cute_40L"),
+              e2e("`d48eabb` again (third run)", E2E_1X_DEFAULT_MOMENTS["philox-3"], "cute_40L"),
+              e2e("`e3ba90e` again (fourth run)", E2E_1X_DEFAULT_MOMENTS["philox-4"], "cute_40L"),
+              e2e("the same four on the next machine, the rounding bits a murmur3 hash of the offset and step "
+                  "(`82ccd31`; first run)", E2E_1X_DEFAULT_MOMENTS["hash-1"], "cute_40L"),
+              e2e("`d48eabb` (second run)", E2E_1X_DEFAULT_MOMENTS["hash-2"], "cute_40L"),
+              e2e("`d48eabb` again (third run)", E2E_1X_DEFAULT_MOMENTS["hash-3"], "cute_40L"),
+              e2e("`82ccd31` again (fourth run)", E2E_1X_DEFAULT_MOMENTS["hash-4"], "cute_40L"),
+              e2e("`model.moe.kernel_backend=triton` at `e3ba90e` (the call of the Philox rows, after them)",
+                  E2E_1X_TRITON_E3BA90E, "triton_40L"))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),
