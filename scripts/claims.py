@@ -326,6 +326,7 @@ E2E_1X_LAUNCHES = {f"{when}-{n}": f"2026-11-25-1xh200-e2e-40L-launches-{when}-{n
 E2E_1X_DEFAULT_MOMENTS = {f"{bits}-{n}": f"2026-11-25-1xh200-e2e-40L-moments-{bits}-{n}.json"
                           for bits in ("philox", "hash") for n in (1, 2, 3, 4)}
 E2E_1X_TRITON_E3BA90E = "2026-11-25-1xh200-e2e-40L-triton-e3ba90e.json"
+PROFILE_40L = "bench/results/2026-11-25-h200-trainer_profile.json"
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
     Text("steps (averaged)", "steps_averaged"),
@@ -551,11 +552,26 @@ TABLES = (
           columns=(Field("k tokens/s", "tokens_per_s", 1e-3),
                    Ratio("× `+ compile`, same process", "tokens_per_s", "tokens_per_s", {"lever": "+ compile"}),
                    Field("peak GiB", "peak_mem_gib"))),
-    Table("profile_8l", first="step", caption="One profiled step of the `+ compile` rung (`bench.levers "
-          "--profile`).", rows=(Row("`+ compile`, profiled", "bench/results/2026-11-23-h100-levers-profile.json",
-                                    {"lever": "+ compile"}, "rows"),),
-          columns=(Field("wall ms", "profile.wall_ms"), Field("GPU busy ms", "profile.busy_ms"),
-                   Field("k tokens/s", "tokens_per_s", 1e-3))),
+    Table("profile_40l", first="step", caption="The trainer's own 40-layer `sonic_7b` step (cute, micro-batch 4 × "
+          "4096, local BPE text) under torch.profiler, per profiled step (`bash bench/gpu.sh profile`, "
+          "`bench.trainer_profile`), at `d48eabb`: fp32 AdamW moments, the default then.",
+          rows=(Row("profiled steps", PROFILE_40L),),
+          columns=(Field("wall ms, unprofiled steps (median)", "step_wall_ms_after_profile_median"),
+                   Field("span ms", "gaps_per_step.span_ms"), Field("GPU busy ms", "gaps_per_step.busy_ms"),
+                   Field("GPU idle ms", "gaps_per_step.idle_ms"),
+                   Field("idle, waiting for the host, ms", "gaps_per_step.idle_host_bound_ms"))),
+    Table("profile_40l_ops", first="operator", caption="The same profile's largest GPU consumers, per step: the "
+          "device time of each operator's kernels (operators nest: `aten::mm` includes the loss's GEMMs).",
+          rows=tuple(Row(label, PROFILE_40L, {"0": op}, "top_ms_per_step") for label, op in (
+              ("dense GEMMs (`aten::mm`: attention projections, shared expert, router, loss)", "aten::mm"),
+              ("cuDNN attention, backward", "aten::_cudnn_attention_backward"),
+              ("the experts' backward (`sonic::experts_backward`, cute)", "sonic::experts_backward"),
+              ("AdamW (`_adamw_kernel`, fp32 moments)", "_adamw_kernel"),
+              ("the experts' forward (`sonic::experts`, cute)", "sonic::experts"),
+              ("the chunked linear + cross-entropy loss", "_ChunkedLinearCE"),
+              ("cuDNN attention, forward", "aten::_cudnn_attention_forward"),
+              ("the router's centring, backward", "sonic::centred_router_logits_backward"))),
+          columns=(Field("ms per step", "1"), Field("calls per step", "2", digits=0))),
 )
 
 
