@@ -1,0 +1,127 @@
+"""The router's prefix centring (routing.input_centring=prefix) alone: the fused Triton kernels
+(sonic/kernels/triton/centring.py, what the triton routing backend runs) against the definition (plain PyTorch,
+sonic/routing/scores.py) and the plain linear router (routing.input_centring=none), forward and backward, with the
+fused path's error against an fp64 evaluation of the definition.
+
+Per shape T x D x E (bf16 x and W, sequences of --seq-len): median ms of each (do_bench after warm-up).
+--sweep adds tile configurations of the fused kernels, BS,BD,num_warps each (positions per tile, features per block,
+warps), beside the default (`centring._tiles`, which depends on E alone): a bounded sweep, since the kernels have no
+autotuner. The sweep stands a config in for `_tiles` while it times it (a benchmark-only substitution; nothing in
+sonic/ reads a config from outside).
+
+    python -m bench.centring [--shapes 16384x1536x128,32768x4096x128,32768x2048x64] [--seq-len 4096]
+                             [--sweep 32,64,4/64,128,4] [--json out.json]
+    TRITON_INTERPRET=1 python -m bench.centring --shapes 128x64x16 --seq-len 32   (CPU: a smoke run; no timings)
+
+Writes bench/results/<date>-<gpu>-centring.json (or --json): per shape the times, the default config and every
+swept one with its error, with the command, date and commit.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import bench_ms, result_path, table, write_json
+from sonic.routing import scores
+
+SHAPES = "16384x1536x128,32768x4096x128,32768x2048x64"  # sonic_7b's step (4 x 4096 tokens); 30B's and OLMoE's d, E
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+@contextlib.contextmanager
+def _tiles(centring, cfg: dict | None):
+    """The fused kernels' tile config `cfg` (None: their own choice) for the block's duration."""
+    if cfg is None:
+        yield
+        return
+    own = centring._tiles
+    centring._tiles = lambda E: {**own(E), **cfg}
+    try:
+        yield
+    finally:
+        centring._tiles = own
+
+
+def _parse_sweep(text: str) -> list[dict]:
+    out = []
+    for item in filter(None, text.split("/")):
+        try:
+            bs, bd, warps = (int(v) for v in item.split(","))
+        except ValueError:
+            raise SystemExit(f"--sweep {text!r}: each config is BS,BD,num_warps (e.g. 64,64,4), '/' between them")
+        out.append({"BS": bs, "BD": bd, "num_warps": warps})
+    return out
+
+
+def measure(T: int, D: int, E: int, S: int, sweep: list[dict], device: torch.device) -> dict:
+    from sonic.kernels.triton import centring  # noqa: PLC0415 (Triton: a GPU or its interpreter)
+
+    if T % S:
+        raise SystemExit(f"shape {T}x{D}x{E}: T={T} is not a multiple of --seq-len {S}")
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(T, D, generator=gen, device=device).bfloat16()
+    w = (torch.randn(E, D, generator=gen, device=device) / D ** 0.5).bfloat16()
+    dl = torch.randn(T, E, generator=gen, device=device)
+    want, rstd64 = scores.prefix_centred_logits(x.double(), w.double(), S)
+    want_dx, _ = scores.prefix_centred_logits_backward(dl.double(), want, x.double(), w.double(), rstd64, S)
+    logits, rstd = scores.prefix_centred_logits(x, w, S)
+    row = {"T": T, "D": D, "E": E, "seq_len": S,
+           "definition_fwd": bench_ms(lambda: scores.prefix_centred_logits(x, w, S)),
+           "definition_bwd": bench_ms(lambda: scores.prefix_centred_logits_backward(dl, logits, x, w, rstd, S)),
+           "linear_fwd": bench_ms(lambda: F.linear(x, w)),
+           "linear_bwd": bench_ms(lambda: (dl.bfloat16() @ w, dl.bfloat16().t() @ x)),
+           "default": centring._tiles(E), "configs": []}
+    for cfg in [None, *sweep]:
+        with _tiles(centring, cfg):
+            got, got_rstd = centring.prefix_centred_logits(x, w, S)
+            dx, _ = centring.prefix_centred_logits_backward(dl, got, x, w, got_rstd, S)
+            err = max(_rel_err(got, want), _rel_err(dx.float(), want_dx))
+            fwd = bench_ms(lambda: centring.prefix_centred_logits(x, w, S))
+            bwd = bench_ms(lambda: centring.prefix_centred_logits_backward(dl, got, x, w, got_rstd, S))
+        row["configs"].append({"cfg": cfg or "default", "fwd": fwd, "bwd": bwd, "err": err})
+    return row
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=SHAPES, help="T x D x E, comma-separated")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--sweep", default="", help="more tile configs: BS,BD,num_warps/...")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("bench.centring runs the fused Triton kernels: on a GPU, or on the CPU with TRITON_INTERPRET=1 "
+                         "(a smoke run of tiny shapes; its times mean nothing)")
+    sweep = _parse_sweep(args.sweep)
+    rows = []
+    for shape in args.shapes.split(","):
+        try:
+            T, D, E = (int(v) for v in shape.split("x"))
+        except ValueError:
+            raise SystemExit(f"--shapes {shape!r}: expected T x D x E, e.g. 16384x1536x128")
+        rows.append(measure(T, D, E, args.seq_len, sweep, device))
+    path = write_json(result_path("centring", args.json), {
+        "what": "the router's prefix-centred logits alone: fused Triton kernels, the PyTorch definition, the plain "
+                "linear router", "units": "ms per call (do_bench median); err: the fused path's relative error "
+                "against the definition in fp64, the larger of the logits' and dx's", "rows": rows})
+    lines = []
+    for r in rows:
+        for c in r["configs"]:
+            lines.append([f"{r['T']}x{r['D']}x{r['E']}", str(c["cfg"]), f"{c['fwd']:.3f}", f"{c['bwd']:.3f}",
+                          f"{r['definition_fwd']:.3f}", f"{r['definition_bwd']:.3f}", f"{r['linear_fwd']:.3f}",
+                          f"{r['linear_bwd']:.3f}", f"{c['err']:.1e}"])
+    print(table(lines, ["T x D x E", "fused config", "fused fwd", "fused bwd", "def fwd", "def bwd", "linear fwd",
+                        "linear bwd", "err"]))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

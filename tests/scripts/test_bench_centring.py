@@ -1,0 +1,41 @@
+"""bench.centring on the CPU through Triton's interpreter: every shape and swept tile config is run, checked against
+the definition and written; bad arguments are refused with what to write instead."""
+import json
+
+import pytest
+import torch
+
+from bench import centring
+from tests.helpers import run_in_triton_interpreter
+
+
+def _run_and_check(out: str) -> None:
+    """In the interpreter's process: two shapes, the default config and one swept config."""
+    from tests.helpers import patch_triton_interpreter
+
+    patch_triton_interpreter()
+    centring.main(["--shapes", "128x64x16,64x32x8", "--seq-len", "32", "--sweep", "16,32,4", "--json", out])
+    r = json.loads(open(out).read())
+    assert [(row["T"], row["D"], row["E"]) for row in r["rows"]] == [(128, 64, 16), (64, 32, 8)]
+    for row in r["rows"]:
+        assert [c["cfg"] for c in row["configs"]] == ["default", {"BS": 16, "BD": 32, "num_warps": 4}]
+        assert row["default"]["BE"] >= row["E"]  # the experts, padded to a power of two
+        for c in row["configs"]:
+            assert c["fwd"] > 0 and c["bwd"] > 0 and 0 < c["err"] < 1e-2  # bf16's rounding of c, not a wrong sum
+    assert r["command"] and r["commit"]
+    print("centring bench ok")
+
+
+def test_the_bench_times_and_checks_every_config_in_the_interpreter(tmp_path):
+    out = str(tmp_path / "c.json")
+    run_in_triton_interpreter(f"import tests.scripts.test_bench_centring as t; t._run_and_check({out!r})",
+                              "centring bench ok")
+
+
+def test_bad_arguments_are_refused(monkeypatch):
+    with pytest.raises(SystemExit, match="BS,BD,num_warps"):
+        centring._parse_sweep("64,64")
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        with pytest.raises(SystemExit, match="TRITON_INTERPRET=1"):
+            centring.main(["--shapes", "64x32x8", "--seq-len", "32"])
