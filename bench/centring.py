@@ -98,8 +98,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("bench.centring runs the fused Triton kernels: on a GPU, or on the CPU with TRITON_INTERPRET=1 "
-                         "(a smoke run of tiny shapes; its times mean nothing)")
+        raise SystemExit("bench.centring runs the fused Triton kernels: on a GPU, or on the CPU with "
+                         "TRITON_INTERPRET=1 (a smoke run of tiny shapes; its times mean nothing)")
     sweep = _parse_sweep(args.sweep)
     rows = []
     for shape in args.shapes.split(","):
