@@ -25,14 +25,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench.common import bench_ms, result_path, table, write_json
+from bench.common import bench_ms, rel_err, result_path, table, write_json
 from sonic.routing import scores
 
 SHAPES = "16384x1536x128,32768x4096x128,32768x2048x64"  # sonic_7b's step (4 x 4096 tokens); 30B's and OLMoE's d, E
-
-
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 @contextlib.contextmanager
@@ -82,7 +78,7 @@ def measure(T: int, D: int, E: int, S: int, sweep: list[dict], device: torch.dev
         with _tiles(centring, cfg):
             got, got_rstd = centring.prefix_centred_logits(x, w, S)
             dx, _ = centring.prefix_centred_logits_backward(dl, got, x, w, got_rstd, S)
-            err = max(_rel_err(got, want), _rel_err(dx.float(), want_dx))
+            err = max(rel_err(got, want), rel_err(dx, want_dx))
             fwd = bench_ms(lambda: centring.prefix_centred_logits(x, w, S))
             bwd = bench_ms(lambda: centring.prefix_centred_logits_backward(dl, got, x, w, got_rstd, S))
         row["configs"].append({"cfg": cfg or "default", "fwd": fwd, "bwd": bwd, "err": err})

@@ -20,10 +20,14 @@ HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
 STEPS, SAVE_AT = 3, 2  # the checkpoint is written before step SAVE_AT (0-based), which both runs then take
 
 
-def _optimizer(model) -> TritonAdamW:
+def _groups(model) -> list[dict]:
+    """Two param groups, with and without weight decay, alike on both sides."""
     params = list(model.parameters())
-    groups = [{"params": params[::2], "weight_decay": 0.1}, {"params": params[1::2], "weight_decay": 0.0}]
-    return TritonAdamW(groups, moment_dtype=torch.bfloat16, **HYPER)
+    return [{"params": params[::2], "weight_decay": 0.1}, {"params": params[1::2], "weight_decay": 0.0}]
+
+
+def _optimizer(model) -> TritonAdamW:
+    return TritonAdamW(_groups(model), moment_dtype=torch.bfloat16, **HYPER)
 
 
 def _step(model, optimizer, ids_BS) -> None:
@@ -42,7 +46,8 @@ def _snapshot(model, optimizer) -> dict:
     for name, p in model.named_parameters():
         state = optimizer.state[p]
         out[clean(name)] = {"param": _full(p), "placements": p.placements,
-                            **{key: (_full(state[key]), state[key].dtype, state[key].placements)
+                            **{key: _full(state[key]) for key in ("exp_avg", "exp_avg_sq")},
+                            **{f"{key} held as": (state[key].dtype, state[key].placements)
                                for key in ("exp_avg", "exp_avg_sq")}}
     return out
 
@@ -78,9 +83,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 def _one_process() -> dict:
     """torch's fp32 AdamW on one process: each step the mean loss over both ranks' batches, the same clip."""
     model = build("reference", 3)
-    params = list(model.parameters())
-    groups = [{"params": params[::2], "weight_decay": 0.1}, {"params": params[1::2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, foreach=False, **HYPER)
+    optimizer = torch.optim.AdamW(_groups(model), foreach=False, **HYPER)
     ids = batches()
     for step in range(STEPS):
         sum(micro_loss(model, ids[rank][step % 2]) for rank in range(WORLD)).div(WORLD).backward()
@@ -97,7 +100,7 @@ def _main(out_dir: str) -> None:
     trained, resumed = results["trained"], results["resumed"]
     assert trained.keys() == want.keys()
     assert trained["layers.0.ffn.w1_EFD"]["placements"][0].dim == 1  # the sharding that is not FSDP's usual dim 0
-    moved = 0
+    initial, moved = build("reference", 3).state_dict(), 0
     for name, (p_ref, state_ref) in want.items():
         got = trained[name]
         # bf16 moments err by up to a bf16 step of a moment's largest recent value, which where momentum cancels is
@@ -107,15 +110,14 @@ def _main(out_dir: str) -> None:
         diff = (got["param"] - p_ref).abs()
         assert diff.max() < HYPER["lr"] / 4 and diff.mean() < HYPER["lr"] * 2 ** -8, (name, diff.max(), diff.mean())
         for key in ("exp_avg", "exp_avg_sq"):
-            value, dtype, placements = got[key]
+            value, (dtype, placements) = got[key], got[f"{key} held as"]
             assert dtype == torch.bfloat16 and placements == got["placements"], (name, key, dtype, placements)
             ref = state_ref[key]
             torch.testing.assert_close(value.float(), ref, rtol=2 ** -6, atol=2 ** -5 * ref.abs().mean().item(),
                                        msg=f"{name} {key}")
-        moved += int(not torch.equal(got["param"], build("reference", 3).state_dict()[name]))
+        moved += int(not torch.equal(got["param"], initial[name]))
         for field in ("param", "exp_avg", "exp_avg_sq"):  # the resumed step drew the same rounding bits
-            a, b = got[field], resumed[name][field]
-            assert torch.equal(a[0] if field != "param" else a, b[0] if field != "param" else b), (name, field)
+            assert torch.equal(got[field], resumed[name][field]), (name, field)
     assert moved == len(want)  # every parameter took the steps
     print("fsdp bf16 moments ok")
 
