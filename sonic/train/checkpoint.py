@@ -229,17 +229,17 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def state_dicts(model, optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """DCP's (model, optimizer) state dicts, with an optimizer's fp32 master weights (`TritonAdamW`'s, one GPU
-    holding bf16 weights) standing as the model's weights and left out of the optimizer's state: a save writes
-    what fp32 weights would, and a load reads the weights into the masters in place (then set_state_dict rounds
-    them into the parameters). A checkpoint moves between the two ways of holding the weights unchanged."""
+    """DCP's (model, optimizer) state dicts, with fp32 weights standing for the bf16 ones of one GPU (`TritonAdamW`'s
+    `fp32_weights`: its masters, left out of the optimizer's state, or without masters fp32 copies): a save writes
+    what fp32 weights would, and a load reads the weights into those in place (then set_state_dict rounds them
+    into the parameters). A checkpoint moves between the ways of holding the weights unchanged."""
     msd, osd = get_state_dict(model, optimizer)
-    masters = optimizer.masters() if isinstance(optimizer, TritonAdamW) else {}
-    if not masters:
+    fp32 = optimizer.fp32_weights() if isinstance(optimizer, TritonAdamW) else {}
+    if not fp32:
         return msd, osd
     named = {_clean(name): p for name, p in model.named_parameters()}
     assert set(named) <= set(msd), sorted(set(named) - set(msd))[:3]
-    msd = {**msd, **{name: masters[p] for name, p in named.items() if p in masters}}
+    msd = {**msd, **{name: fp32[p] for name, p in named.items() if p in fp32}}
     osd = {**osd, "state": {k: {key: v for key, v in st.items() if key != "master"} for k, st in osd["state"].items()}}
     return msd, osd
 

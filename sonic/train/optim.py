@@ -14,6 +14,7 @@ from sonic import compat
 SCHEDULES = ("cosine", "wsd", "constant")
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop", "triton")
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MASTER_WEIGHTS = ("fp32", "none")
 
 
 @dataclass
@@ -39,6 +40,10 @@ class OptimConfig:
     # 8 bytes per weight less to hold and to move each step (DeepSeek-V3 trains its AdamW moments in bf16 too).
     # fp32: torch's. auto: bf16 where the implementation resolves to triton, fp32 elsewhere (docs/performance.md).
     moment_dtype: str = "auto"  # auto | fp32 | bf16
+    # Where one GPU holds its weights in bf16 (sonic.parallel.weights_dtype), fp32: triton's AdamW keeps an fp32 master
+    # of each and steps that; none: it steps the bf16 weights in place, rounded stochastically (sonic/kernels/triton/
+    # adamw.py), 6 bytes per weight less to move each step and 4 less to hold. Elsewhere the weights are fp32 already.
+    master_weights: str = "fp32"  # fp32 | none
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -57,6 +62,8 @@ class OptimConfig:
             raise ValueError(f"optim.decay_fraction={self.decay_fraction} must be in [0, 1]")
         if self.moment_dtype != "auto" and self.moment_dtype not in MOMENT_DTYPES:
             raise ValueError(f"optim.moment_dtype={self.moment_dtype!r} is not one of auto, {', '.join(MOMENT_DTYPES)}")
+        if self.master_weights not in MASTER_WEIGHTS:
+            raise ValueError(f"optim.master_weights={self.master_weights!r} is not one of {', '.join(MASTER_WEIGHTS)}")
 
 
 class TritonAdamW(torch.optim.AdamW):
@@ -71,19 +78,24 @@ class TritonAdamW(torch.optim.AdamW):
     fp32 unless moment_dtype says otherwise. A checkpoint holds the masters as the model's weights
     (`sonic.train.checkpoint.state_dicts`), so it is the same as one of fp32 weights, whichever way it moves.
 
+    keep_masters=False (optim.master_weights=none, compute_dtype bf16): no master; each step updates the bf16
+    parameter in place, stored with stochastic rounding. A checkpoint still holds fp32 weights (`fp32_weights`).
+
     moment_dtype=bf16 (optim.moment_dtype): both moments are held in bf16 (stochastic rounding in the kernel).
     Loaded moments are cast to it, so a checkpoint moves between bf16 and fp32 moments either way."""
 
     def __init__(self, params, compute_dtype: torch.dtype | None = None, moment_dtype: torch.dtype | None = None,
-                 **kwargs):
+                 keep_masters: bool = True, **kwargs):
         super().__init__(params, foreach=None, fused=None, **kwargs)
         assert moment_dtype in (None, torch.float32, torch.bfloat16), moment_dtype
-        self.moment_dtype = moment_dtype  # None: the parameter's dtype, as torch's (fp32 with masters)
+        self.moment_dtype = moment_dtype  # None: the parameter's dtype, as torch's (fp32 with compute_dtype)
+        self.compute_dtype = compute_dtype
         self._blocks: dict[tuple, tuple] = {}  # per group and dtypes: (the sizes, adamw_tensors_'s block table)
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]:
                 raise ValueError("optim.implementation=triton is plain AdamW: no amsgrad, maximize, capturable "
                                  "or differentiable; use optim.implementation=fused for those")
+        assert keep_masters or compute_dtype == torch.bfloat16, (keep_masters, compute_dtype)  # the kernel's rounding
         if compute_dtype is not None:
             for p in self._params():
                 assert p.dtype == torch.float32, p.dtype  # the master copies the weights as they were initialised
@@ -91,7 +103,9 @@ class TritonAdamW(torch.optim.AdamW):
                 # the whole state now, not at the first step: a checkpoint load reads into it in place
                 self.state[p].update(step=torch.zeros((), device=p.device),
                                      exp_avg=torch.zeros_like(master, dtype=moment_dtype),
-                                     exp_avg_sq=torch.zeros_like(master, dtype=moment_dtype), master=master)
+                                     exp_avg_sq=torch.zeros_like(master, dtype=moment_dtype))
+                if keep_masters:
+                    self.state[p]["master"] = master
                 p.data = p.data.to(compute_dtype)
 
     def _params(self) -> list[torch.Tensor]:
@@ -100,6 +114,13 @@ class TritonAdamW(torch.optim.AdamW):
     def masters(self) -> dict[torch.Tensor, torch.Tensor]:
         """{parameter: its fp32 master}, empty without compute_dtype."""
         return {p: self.state[p]["master"] for p in self._params() if "master" in self.state[p]}
+
+    def fp32_weights(self) -> dict[torch.Tensor, torch.Tensor]:
+        """{parameter: the fp32 tensor a checkpoint holds for it} for the parameters not held in fp32: its master,
+        or (no masters) an fp32 copy, which a checkpoint load fills and `set_state_dict` then rounds into it."""
+        masters = self.masters()
+        return {p: masters[p] if p in masters else p.detach().float() for p in self._params()
+                if p.dtype != torch.float32}
 
     def load_state_dict(self, state_dict):
         self._load_state_dict(state_dict)
@@ -110,23 +131,27 @@ class TritonAdamW(torch.optim.AdamW):
                         state[key] = state[key].to(self.moment_dtype)
 
     def _load_state_dict(self, state_dict):
-        masters = self.masters()
-        if not masters:
+        if self.compute_dtype is None:
             return super().load_state_dict(state_dict)
-        # torch casts each loaded tensor to its parameter's dtype: it is shown the fp32 masters instead, so the
-        # moments stay fp32. A state without masters (a checkpoint's, see checkpoint.state_dicts) keeps these.
-        shown = {p: p.data for p in masters}
-        for p, master in masters.items():
-            p.data = master
+        # torch casts each loaded tensor to its parameter's dtype: it is shown the fp32 masters (without masters,
+        # fp32 copies) instead, so the moments stay fp32. A state without masters (a checkpoint's, see
+        # checkpoint.state_dicts) keeps these.
+        masters, shown = self.masters(), {p: p.data for p in self._params()}
+        for p in shown:
+            p.data = masters.get(p, p.data.float())
         try:
             super().load_state_dict(state_dict)
         finally:
             for p, data in shown.items():
                 p.data = data
-        for p, master in masters.items():
-            loaded = self.state[p].setdefault("master", master)
-            if loaded is not master:  # a state with its own masters: the parameter follows them
-                p.data.copy_(loaded)
+        for p in shown:
+            loaded = self.state[p].get("master")
+            if loaded is not None and loaded is not masters.get(p):  # a state with its own masters: the
+                p.data.copy_(loaded)  # parameter follows them
+            if p in masters:
+                self.state[p].setdefault("master", masters[p])
+            else:
+                self.state[p].pop("master", None)  # keep_masters=False keeps none
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -197,7 +222,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dtype | None = None) -> torch.optim.AdamW:
     """AdamW over two groups (decay, no decay). compute_dtype: the model's weights become that dtype, with fp32
-    masters in the optimizer (`TritonAdamW`; `sonic.parallel.weights_dtype` says where)."""
+    masters in the optimizer unless optim.master_weights=none (`TritonAdamW`; `sonic.parallel.weights_dtype`
+    says where)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -213,7 +239,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, compute_dtype: torch.dty
     moment_dtype = resolve_moment_dtype(cfg, implementation)
     if implementation == "triton":
         optimizer = TritonAdamW(groups, lr=cfg.lr, compute_dtype=compute_dtype,
-                                moment_dtype=None if moment_dtype == "fp32" else MOMENT_DTYPES[moment_dtype])
+                                moment_dtype=None if moment_dtype == "fp32" else MOMENT_DTYPES[moment_dtype],
+                                keep_masters=compute_dtype is None or cfg.master_weights == "fp32")
     else:
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, **_IMPLEMENTATION_FLAGS[implementation])
     apply_config(optimizer, cfg)

@@ -30,7 +30,7 @@ from sonic.train.config import Config, check_resume_config, to_yaml
 from sonic.train.guard import NonFiniteGuard
 from sonic.train.loggers import MetricLogger
 from sonic.train.metrics import expert_load, peak_flops, speed_metrics
-from sonic.train.optim import TritonAdamW, apply_config, build_optimizer, clip_grad_norm, set_lr
+from sonic.train.optim import apply_config, build_optimizer, clip_grad_norm, set_lr
 
 log = logging.getLogger("sonic")
 
@@ -160,12 +160,14 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
         load_weights(model, t.init_from)
     init_memory = memory_after_init(model, info)  # logged with the first step
     counts = param_counts(cfg.model)
-    # one GPU: bf16 weights, fp32 masters in the optimizer (parallel.param_dtype; FSDP-2 does its own casting)
+    # one GPU: bf16 weights, fp32 masters in the optimizer unless optim.master_weights=none (parallel.param_dtype;
+    # FSDP-2 does its own casting)
     compute_dtype = weights_dtype(cfg.parallel, info, step_precision(cfg, device) == "bf16", t.grad_accum)
     optimizer = build_optimizer(model, cfg.optim, compute_dtype)
-    if info.is_main and isinstance(optimizer, TritonAdamW) and optimizer.masters():
-        log.info("weights held in %s with fp32 masters in the optimizer (one GPU, parallel.param_dtype)",
-                 cfg.parallel.param_dtype)
+    if info.is_main and compute_dtype is not None:
+        log.info("weights held in %s with %s (one GPU, parallel.param_dtype, optim.master_weights)",
+                 cfg.parallel.param_dtype, "fp32 masters in the optimizer" if optimizer.masters() else
+                 "no fp32 masters: stepped in place, rounded stochastically")
     def recovery() -> str:
         newest = complete_checkpoints(ckpt.root)
         where = (f"train.resume=auto resumes from {newest[-1]}, the newest checkpoint" if newest else

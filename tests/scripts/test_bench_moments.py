@@ -20,3 +20,16 @@ def test_moments_bench_compares_both_curves(tmp_path):
     for dtype in ("fp32", "bf16"):
         assert r["loss"][dtype][-1][1] < 0.8 * r["loss"][dtype][0][1], dtype
     assert 0 <= r["max_relative_gap"] < 0.15
+
+
+@pytest.mark.gpu
+def test_moments_bench_compares_weights_with_and_without_masters(tmp_path):
+    out = tmp_path / "m.json"
+    moments.main(["--steps", "20", "--compare", "masters", "--json", str(out), "parallel.compile=false",
+                  "train.log_every=5"])
+    r = json.loads(out.read_text())
+    assert r["option"] == "optim.master_weights" and sorted(r["loss"]) == ["fp32", "none"]
+    assert r["loss"]["fp32"] != r["loss"]["none"]
+    for value in ("fp32", "none"):
+        assert r["loss"][value][-1][1] < 0.8 * r["loss"][value][0][1], value
+    assert 0 <= r["max_relative_gap"] < 0.15

@@ -1,6 +1,7 @@
 """One GPU holds its weights in parallel.param_dtype (bf16) with fp32 masters in TritonAdamW: where that applies,
 and checkpoints that hold the masters as the model's weights, so they move to and from runs of fp32 weights
-unchanged. The step itself (the kernel with a master): tests/train/test_triton_adamw.py."""
+unchanged; the same without masters (optim.master_weights=none). The step itself (the kernel with and without a
+master): tests/train/test_triton_adamw.py."""
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -8,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from sonic.models.loading import read_dcp
 from sonic.parallel import DistInfo, ParallelConfig, weights_dtype
 from sonic.train.checkpoint import Checkpointer
-from sonic.train.optim import TritonAdamW, build_optimizer
+from sonic.train.optim import OptimConfig, TritonAdamW, build_optimizer
 from tests.helpers import compose_config
 from tests.train.test_guard import tiny
 
@@ -125,6 +126,61 @@ def test_a_checkpoint_of_bf16_moments_resumes_exactly_and_moves_to_fp32_moments(
         assert torch.equal(back_opt.state[p]["exp_avg"], fp32.state[q]["exp_avg"].bfloat16())
 
 
+def test_without_masters_a_checkpoint_holds_fp32_weights_and_resumes_exactly_either_way(tmp_path):
+    """optim.master_weights=none: the bf16 weights are saved as fp32 (what fp32 weights or masters would save), a
+    resume gets them back exactly, a run with masters gets them as its masters, and a checkpoint with masters
+    loads into bf16 weights rounded to nearest, with no master kept."""
+    model = _model()
+    optimizer = TritonAdamW(_groups(model), lr=1e-3, compute_dtype=torch.bfloat16, keep_masters=False)
+    assert optimizer.masters() == {} and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    gen = torch.Generator().manual_seed(2)
+    for p in model.parameters():
+        p.data.add_(torch.randn(p.shape, generator=gen).bfloat16() * 1e-2)
+        optimizer.state[p]["exp_avg"].copy_(torch.randn(p.shape, generator=gen))
+        optimizer.state[p]["step"].fill_(3)
+    path = _save(tmp_path, model, optimizer)
+    state = {"model": _model().state_dict()}
+    read_dcp(state, path)
+    names = dict(model.named_parameters())
+    for name, saved in state["model"].items():
+        if name in names:
+            assert saved.dtype == torch.float32 and torch.equal(saved, names[name].float()), name
+    for keep_masters in (False, True):
+        again = _model()
+        again_opt = TritonAdamW(_groups(again), lr=1e-3, compute_dtype=torch.bfloat16, keep_masters=keep_masters)
+        Checkpointer(tmp_path / "checkpoints", keep_last=2).load(path, again, again_opt)
+        for p, q in zip(again.parameters(), model.parameters()):
+            assert p.dtype == torch.bfloat16 and torch.equal(p, q), keep_masters
+            assert torch.equal(again_opt.state[p]["exp_avg"], optimizer.state[q]["exp_avg"])
+            assert again_opt.state[p]["exp_avg"].dtype == torch.float32
+        assert len(again_opt.masters()) == (len(names) if keep_masters else 0)
+        for p, master in again_opt.masters().items():
+            assert torch.equal(master, p.float())
+    masters_model = _model()
+    masters = _with_masters(masters_model)
+    path = Checkpointer(tmp_path / "masters", keep_last=2).save(3, masters_model, masters, {}, "model: {}\n")
+    back = _model()
+    back_opt = TritonAdamW(_groups(back), lr=1e-3, compute_dtype=torch.bfloat16, keep_masters=False)
+    Checkpointer(tmp_path / "masters", keep_last=2).load(path, back, back_opt)
+    for p, q in zip(back.parameters(), masters_model.parameters()):
+        assert torch.equal(p, masters.masters()[q].bfloat16()) and "master" not in back_opt.state[p]
+
+
+def test_master_weights_is_fp32_or_none():
+    with pytest.raises(ValueError, match="optim.master_weights='bf16' is not one of fp32, none"):
+        OptimConfig(master_weights="bf16")
+
+
+@pytest.mark.gpu
+def test_master_weights_none_builds_an_optimizer_without_masters():
+    model = _model().cuda()
+    optimizer = build_optimizer(model, OptimConfig(master_weights="none"), compute_dtype=torch.bfloat16)
+    assert optimizer.masters() == {} and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(state["exp_avg"].dtype == torch.bfloat16 for state in optimizer.state.values())  # moments: auto
+    fp32 = build_optimizer(_model().cuda(), OptimConfig(master_weights="none"))  # weights fp32 (FSDP, grad_accum)
+    assert all(p.dtype == torch.float32 for p in fp32._params())
+
+
 @pytest.mark.parametrize(("device", "mesh", "param_dtype", "bf16_step", "grad_accum", "expected"), [
     ("cuda", None, "bf16", True, 1, torch.bfloat16),  # one GPU: bf16 weights, fp32 masters
     ("cuda", None, "fp32", True, 1, None),  # asked for fp32 weights
@@ -139,18 +195,20 @@ def test_where_one_gpu_holds_bf16_weights(device, mesh, param_dtype, bf16_step, 
 
 
 @pytest.mark.gpu
-def test_the_trainer_on_one_gpu_trains_bf16_weights_and_resumes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("master_weights", ["fp32", "none"])
+def test_the_trainer_on_one_gpu_trains_bf16_weights_and_resumes(tmp_path, monkeypatch, master_weights):
     import sonic.train.trainer as trainer
 
     built = []
     monkeypatch.setattr(trainer, "build_optimizer", lambda *a, **k: built.append(build_optimizer(*a, **k)) or built[-1])
     common = ["train.device=cuda", "model.num_layers=2", "train.micro_batch_size=2", "train.seq_len=64",
               "train.log_every=1", "train.eval_every=0", "train.save_every=2", "train.progress=false",
-              "parallel.compile=false", "train.steps=4"]
+              "parallel.compile=false", f"optim.master_weights={master_weights}", "train.steps=4"]
     straight = trainer.train(compose_config(*common, f"train.run_dir={tmp_path / 'a'}"))
     optimizer = built[-1]
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    assert all(p.dtype == torch.bfloat16 for p in params) and len(optimizer.masters()) == len(params)
+    assert all(p.dtype == torch.bfloat16 for p in params)
+    assert len(optimizer.masters()) == (len(params) if master_weights == "fp32" else 0)
     for p, master in optimizer.masters().items():
         assert torch.equal(p, master.bfloat16())  # the weights are the masters, rounded, after every step
     first = trainer.train(compose_config(*common[:-1], "train.steps=2", f"train.run_dir={tmp_path / 'b'}"))

@@ -1,7 +1,7 @@
 """optim.implementation=triton (TritonAdamW, sonic/kernels/triton/adamw.py) takes torch's AdamW step: with the clip
 as its divisor, across param groups and tensor sizes that do and do not fill the kernel's blocks, over a skipped
 step, and across a checkpoint moved between it and torch's implementations; the same with bf16 parameters and
-fp32 masters (compute_dtype). On the CPU through Triton's interpreter, and on the GPU; and torch's fused AdamW
+fp32 masters (compute_dtype), and without masters. On the CPU through Triton's interpreter, and on the GPU; and torch's fused AdamW
 takes the clip as a divisor with the same result."""
 import copy
 
@@ -203,6 +203,62 @@ def check_bf16_moments(device: str) -> None:
                for state in both.state.values())
 
 
+def check_no_masters(device: str) -> None:
+    """keep_masters=False (optim.master_weights=none): bf16 parameters take torch's fp32 step to bf16 precision with
+    no master kept; the rounding is stochastic, so updates far under half a bf16 step of the weight still move it in
+    expectation (round to nearest would leave it), with other bits than the moments'; a skipped step moves nothing;
+    a state with masters loads into it as the weights, rounded, and no master."""
+    ref_params, our_params = _params(device), _params(device)
+    for p, q in zip(our_params, ref_params):
+        q.data = q.data.bfloat16().float()  # the same start on the bf16 grid
+    ref = torch.optim.AdamW(_groups(ref_params), foreach=False, **HYPER)
+    ours = TritonAdamW(_groups(our_params), compute_dtype=torch.bfloat16, keep_masters=False, **HYPER)
+    assert ours.masters() == {} and all(p.dtype == torch.bfloat16 for p in our_params)
+    assert all(torch.equal(w, p.float()) for p, w in ours.fp32_weights().items()) and len(ours.fp32_weights()) == 4
+    for seed, skipped in enumerate((False, False, True, False)):
+        _set_grads(ref_params, seed)
+        for p, q in zip(our_params, ref_params):
+            p.grad = q.grad.bfloat16()
+            q.grad = p.grad.float()
+        before = [p.detach().clone() for p in our_params]
+        optimizer_step(ours, None, found_inf=torch.tensor(float(skipped), device=device))
+        if skipped:
+            assert all(torch.equal(p, b) for p, b in zip(our_params, before))
+            continue
+        ref.step()
+        for p, q in zip(our_params, ref_params):
+            assert p.dtype == torch.bfloat16 and "master" not in ours.state[p]
+            # each step rounds up or down by under a bf16 step (2^-7 of the value then, within a few lr of now),
+            # three steps so far
+            bound = 3 * 2 ** -7 * (q.abs() + 3 * HYPER["lr"])
+            assert ((p.float() - q).abs() <= bound).all(), ((p.float() - q).abs() / bound).max()
+            torch.testing.assert_close(ours.state[p]["exp_avg"], ref.state[q]["exp_avg"], rtol=1e-5, atol=1e-7)
+    # p = 1 (bf16 step 2^-7 there), g = 1: each step takes lr = 1e-4 off, an eightieth of a bf16 step
+    p = torch.nn.Parameter(torch.ones(4096, device=device))
+    for moments in (None, torch.bfloat16):
+        p.data = torch.ones(4096, device=device)
+        opt = TritonAdamW([p], lr=1e-4, weight_decay=0.0, compute_dtype=torch.bfloat16, keep_masters=False,
+                          moment_dtype=moments)
+        for _ in range(50):
+            p.grad = torch.ones_like(p)
+            opt.step()
+        # in expectation 1 - 50e-4, 1.3 bf16 steps (2^-8 under 1) down; round to nearest stays at 1
+        assert abs(p.float().mean().item() - (1 - 50e-4)) < 1e-3 and p.unique().numel() > 1, p.float().mean()
+        if moments is not None:  # the parameter's bits are not the moments': where one rounds, the other need not
+            v = opt.state[p]["exp_avg_sq"]
+            assert not torch.equal((p < 1).int(), (v != v.max()).int())
+    # a state with masters: the weights follow them, rounded to nearest; the moments stay fp32; no master is kept
+    with_masters = TritonAdamW(_groups(_params(device)), compute_dtype=torch.bfloat16, **HYPER)
+    for master in with_masters.masters().values():
+        master.add_(1e-3)
+    again_params = _params(device)
+    again = TritonAdamW(_groups(again_params), compute_dtype=torch.bfloat16, keep_masters=False, **HYPER)
+    again.load_state_dict(copy.deepcopy(with_masters.state_dict()))
+    for p, q in zip(again_params, with_masters._params()):
+        assert torch.equal(p, with_masters.masters()[q].bfloat16()) and "master" not in again.state[p]
+        assert again.state[p]["exp_avg"].dtype == torch.float32
+
+
 def _interpreter_main() -> None:
     from tests.helpers import patch_triton_interpreter
 
@@ -210,6 +266,7 @@ def _interpreter_main() -> None:
     check("cpu")
     check_masters("cpu")
     check_bf16_moments("cpu")
+    check_no_masters("cpu")
     print("adamw interpreter ok")
 
 
@@ -222,6 +279,7 @@ def test_triton_adamw_takes_torchs_step_on_the_gpu():
     check("cuda")
     check_masters("cuda")
     check_bf16_moments("cuda")
+    check_no_masters("cuda")
 
 
 def test_only_triton_keeps_bf16_moments():

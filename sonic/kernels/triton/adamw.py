@@ -17,13 +17,16 @@ corrections in fp32 (torch's fused kernel takes them in fp64: the updates agree 
 With `master` (an fp32 copy of a bf16 parameter, `TritonAdamW(compute_dtype=...)`), the arithmetic runs on the
 master, and the parameter is written as the master rounded to its dtype. With a bf16 gradient that is 28 bytes
 per weight as before, and the 12 bytes of casting each fp32 weight for the forward and its gradient back after
-the backward are gone.
+the backward are gone. Without a master (a bf16 parameter stepped in place, optim.master_weights=none) and with
+bf16 moments it is 14 bytes per weight, against 20 with the master.
 
 With bf16 moments (`TritonAdamW(moment_dtype=torch.bfloat16)`, optim.moment_dtype) the moments are read and
 written as bf16, 8 bytes per weight fewer, and computed in fp32 as above. They are stored with stochastic
 rounding: round to nearest would lose every update smaller than half a bf16 step of the moment (v <- b2 v +
 (1 - b2) g^2 then stalls once (1 - b2) g^2 / v falls under 2^-9), stochastic rounding keeps each update in
-expectation. The random bits come from the step count and the parameter's `salt`, so a resumed run draws the
+expectation. A bf16 parameter without a master (optim.master_weights=none) is stored the same way: at the end of
+a cosine schedule most updates are a fraction of a bf16 step of the weight, and round to nearest would drop them
+all. The random bits come from the step count and the parameter's `salt`, so a resumed run draws the
 same ones. They are a murmur3 finaliser of the element's offset and that seed, 32 bits per element (16 per
 moment): Philox (tl.randint4x) spent ~100 integer instructions per element and made the step compute-bound, as
 long as with fp32 moments (a 40-layer sonic_7b step on an H200, e2e rows 55-58 of docs/performance.md).
@@ -88,7 +91,8 @@ def _store(ptr, offs, n, value, MASKED: tl.constexpr):
 @triton.jit
 def _adamw_block(p_ptr, master_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, n, step, seed,
                  lr, weight_decay, beta1, beta2, log2_beta1, log2_beta2, eps,
-                 HAS_MASTER: tl.constexpr, HAS_SCALE: tl.constexpr, BF16_MOMENTS: tl.constexpr, MASKED: tl.constexpr):
+                 HAS_MASTER: tl.constexpr, HAS_SCALE: tl.constexpr, BF16_MOMENTS: tl.constexpr, SR_PARAM: tl.constexpr,
+                 MASKED: tl.constexpr):
     bias1 = 1.0 - tl.exp2(step * log2_beta1)
     bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
     g = _load(g_ptr, offs, n, MASKED).to(tl.float32)
@@ -104,11 +108,15 @@ def _adamw_block(p_ptr, master_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, n, ste
     m = m + (1.0 - beta1) * (g - m)
     v = beta2 * v + (1.0 - beta2) * g * g
     p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
+    if BF16_MOMENTS or SR_PARAM:
+        bits = _random_bits(seed, offs)
     if HAS_MASTER:
         _store(master_ptr, offs, n, p, MASKED)
-    _store(p_ptr, offs, n, p.to(p_ptr.dtype.element_ty), MASKED)
+    if SR_PARAM:
+        _store(p_ptr, offs, n, _stochastic_bf16(p, _mix32(bits)), MASKED)  # 16 more bits, apart from the moments'
+    else:
+        _store(p_ptr, offs, n, p.to(p_ptr.dtype.element_ty), MASKED)
     if BF16_MOMENTS:
-        bits = _random_bits(seed, offs)
         _store(m_ptr, offs, n, _stochastic_bf16(m, bits), MASKED)
         _store(v_ptr, offs, n, _stochastic_bf16(v, bits >> 16), MASKED)
     else:
@@ -130,7 +138,7 @@ def _address(row, field, like, ALIGNED: tl.constexpr):
 def _adamw_kernel(table_ptr, blocks_ptr, p_like, master_like, g_like, m_like, step_like, scale_ptr, skip_ptr,
                   lr, weight_decay, beta1, beta2, log2_beta1, log2_beta2, eps,
                   HAS_MASTER: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr,
-                  BF16_MOMENTS: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                  BF16_MOMENTS: tl.constexpr, SR_PARAM: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """One BLOCK of one tensor per program: blocks_ptr holds (tensor, block) per program, table_ptr each tensor's
     FIELDS (addresses as int64, numel, salt). The *_like arguments: tensors whose dtypes every tensor of the launch
     shares (the addresses carry none). A full block loads and stores unmasked: a mask against a numel read from
@@ -152,10 +160,10 @@ def _adamw_kernel(table_ptr, blocks_ptr, p_like, master_like, g_like, m_like, st
     seed = step.to(tl.int64) * 65537 + tl.load(row + 7)
     if first + BLOCK <= n:
         _adamw_block(p_ptr, master_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, n, step, seed, lr, weight_decay,
-                     beta1, beta2, log2_beta1, log2_beta2, eps, HAS_MASTER, HAS_SCALE, BF16_MOMENTS, False)
+                     beta1, beta2, log2_beta1, log2_beta2, eps, HAS_MASTER, HAS_SCALE, BF16_MOMENTS, SR_PARAM, False)
     else:
         _adamw_block(p_ptr, master_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, n, step, seed, lr, weight_decay,
-                     beta1, beta2, log2_beta1, log2_beta2, eps, HAS_MASTER, HAS_SCALE, BF16_MOMENTS, True)
+                     beta1, beta2, log2_beta1, log2_beta2, eps, HAS_MASTER, HAS_SCALE, BF16_MOMENTS, SR_PARAM, True)
 
 
 def _log2(beta: float) -> float:
@@ -187,8 +195,8 @@ def adamw_tensors_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     one device. `steps`: each parameter's step count after this step, a 0-d fp32 tensor on the device;
     `grad_scale`: a 0-d divisor of the gradients (the clip); `found_inf`: a 0-d flag, nonzero to leave everything
     as it is; `masters`: the parameters' fp32 master copies, which take the step (each parameter gets its master
-    rounded). bf16 moments are stored with stochastic rounding, seeded by the step and `salts` (a number of each
-    parameter's own). `blocks`: `block_table` of the sizes, if the caller keeps it."""
+    rounded). bf16 moments, and bf16 parameters without masters, are stored with stochastic rounding, seeded by the
+    step and `salts` (a number of each parameter's own). `blocks`: `block_table` of the sizes, if the caller keeps it."""
     lists = [params, grads, exp_avgs, exp_avg_sqs, steps] + ([masters] if masters is not None else [])
     assert len({len(x) for x in lists}) == 1 and params, [len(x) for x in lists]
     for i, p in enumerate(params):
@@ -215,5 +223,6 @@ def adamw_tensors_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
         table, blocks, params[0], masters[0] if masters is not None else steps[0], grads[0], exp_avgs[0], steps[0],
         grad_scale if grad_scale is not None else steps[0], found_inf if found_inf is not None else steps[0], lr,
         weight_decay, beta1, beta2, _log2(beta1), _log2(beta2), eps, HAS_MASTER=masters is not None,
-        HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, BF16_MOMENTS=bf16_moments, ALIGNED=aligned,
+        HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, BF16_MOMENTS=bf16_moments,
+        SR_PARAM=masters is None and params[0].dtype == torch.bfloat16, ALIGNED=aligned,
         BLOCK=BLOCK, num_warps=WARPS)
