@@ -79,7 +79,8 @@ def compile_enabled(cfg: ParallelConfig, device: torch.device) -> bool:
 
 
 def weights_dtype(cfg: ParallelConfig, info: DistInfo, bf16_step: bool, grad_accum: int = 1) -> torch.dtype | None:
-    """The dtype one GPU holds the weights in, fp32 masters in the optimizer (`build_optimizer`), or None: keep
+    """The dtype one GPU holds the weights in (fp32 masters in the optimizer with optim.master_weights=fp32,
+    `build_optimizer`), or None: keep
     them fp32. parallel.param_dtype is what the forward and backward read either way: FSDP-2 gathers its fp32
     shards in it; one GPU has nothing to gather, so it holds the weights in it and saves the step's casts of
     every weight and gradient (and runs the residual stream in it, as under FSDP). None with FSDP, off the GPU,

@@ -160,8 +160,8 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
         load_weights(model, t.init_from)
     init_memory = memory_after_init(model, info)  # logged with the first step
     counts = param_counts(cfg.model)
-    # one GPU: bf16 weights, fp32 masters in the optimizer unless optim.master_weights=none (parallel.param_dtype;
-    # FSDP-2 does its own casting)
+    # one GPU: bf16 weights (parallel.param_dtype), with fp32 masters in the optimizer if optim.master_weights=fp32
+    # (FSDP-2 does its own casting)
     compute_dtype = weights_dtype(cfg.parallel, info, step_precision(cfg, device) == "bf16", t.grad_accum)
     optimizer = build_optimizer(model, cfg.optim, compute_dtype)
     if info.is_main and compute_dtype is not None:

@@ -167,7 +167,7 @@ def test_without_masters_a_checkpoint_holds_fp32_weights_and_resumes_exactly_eit
 
 
 def test_master_weights_is_fp32_or_none():
-    with pytest.raises(ValueError, match="optim.master_weights='bf16' is not one of fp32, none"):
+    with pytest.raises(ValueError, match="optim.master_weights='bf16' is not one of none, fp32"):
         OptimConfig(master_weights="bf16")
 
 
