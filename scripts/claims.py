@@ -326,6 +326,9 @@ E2E_1X_LAUNCHES = {f"{when}-{n}": f"2026-11-25-1xh200-e2e-40L-launches-{when}-{n
 E2E_1X_DEFAULT_MOMENTS = {f"{bits}-{n}": f"2026-11-25-1xh200-e2e-40L-moments-{bits}-{n}.json"
                           for bits in ("philox", "hash") for n in (1, 2, 3, 4)}
 E2E_1X_TRITON_E3BA90E = "2026-11-25-1xh200-e2e-40L-triton-e3ba90e.json"
+E2E_1X_NOMASTER = {n: f"2026-11-25-1xh200-e2e-40L-nomaster-{n}.json" for n in (1, 2)}
+E2E_1X_TRITON_8F1B5EB = "2026-11-25-1xh200-e2e-40L-triton-8f1b5eb.json"
+PEER_TITAN_H100 = "bench/results/2026-11-25-h100-peer_titan.jsonl"
 PROFILE_40L = "bench/results/2026-11-25-h200-trainer_profile.json"
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
@@ -423,7 +426,28 @@ TABLES = (
               e2e("`d48eabb` again (third run)", E2E_1X_DEFAULT_MOMENTS["hash-3"], "cute_40L"),
               e2e("`82ccd31` again (fourth run)", E2E_1X_DEFAULT_MOMENTS["hash-4"], "cute_40L"),
               e2e("`model.moe.kernel_backend=triton` at `e3ba90e` (the call of the Philox rows, after them)",
-                  E2E_1X_TRITON_E3BA90E, "triton_40L"))),
+                  E2E_1X_TRITON_E3BA90E, "triton_40L"),
+              e2e("recipe, one GPU, cute, top-K, bf16 weights stepped in place without fp32 masters by default "
+                  "(`optim.master_weights=none`, `8f1b5eb`; first of four runs in one call, on one machine)",
+                  E2E_1X_NOMASTER[1], "cute_40L"),
+              e2e("`optim.master_weights=fp32`: fp32 masters, the default before (second run)", E2E_1X_NOMASTER[1],
+                  "cute_masters_40L"),
+              e2e("no masters again (third run)", E2E_1X_NOMASTER[2], "cute_40L"),
+              e2e("fp32 masters again (fourth run)", E2E_1X_NOMASTER[2], "cute_masters_40L"),
+              e2e("`model.moe.kernel_backend=triton` at `8f1b5eb` (the same machine, after the smoke)",
+                  E2E_1X_TRITON_8F1B5EB, "triton_40L"))),
+    Table("peer_titan", first="model", columns=(
+        Field("step ms, median", "step_ms"), Field("step ms, best", "step_ms_best"),
+        Field("k tokens/s", "tokens_per_s", 1e-3), Ratio("× torchtitan, tokens/s", "tokens_per_s", "tokens_per_s",
+                                                        den_where={"which": "titan"}),
+        Field("peak GiB", "peak_gib"), Text("like for like", "like_for_like")),
+          caption="The training-step peer, like for like (`bench.peer_titan`): `sonic_7b`'s dims cut to 8 layers, "
+          "shared expert off, micro-batch 4 × 4096 of local BPE text, per-block compile, one-rank FSDP-2, torch's "
+          "fused AdamW and fp32 cross-entropy on both sides, one H100, each side in its own process; × is Sonic's "
+          "median tokens/s over torchtitan's.", rows=(
+              Row("Sonic (cute experts)", PEER_TITAN_H100, {"which": "sonic"}),
+              Row("torchtitan 0.3.0 Qwen3-MoE (grouped_mm experts, flex attention)", PEER_TITAN_H100,
+                  {"which": "titan"}))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),
