@@ -10,22 +10,28 @@ autotuner. The sweep stands a config in for `_tiles` while it times it (a benchm
 sonic/ reads a config from outside).
 
     python -m bench.centring [--shapes 16384x1536x128,32768x4096x128,32768x2048x64] [--seq-len 4096]
-                             [--sweep 32,64,4/64,128,4] [--json out.json]
+                             [--sweep 32,64,4/64,128,4] [--profile N] [--json out.json]
     TRITON_INTERPRET=1 python -m bench.centring --shapes 128x64x16 --seq-len 32   (CPU: a smoke run; no timings)
 
+--profile N adds, per shape, where the default config's time goes: each kernel's mean microseconds per call over N
+forward and N backward calls under torch.profiler, and the GPU's idle time between them (bench.common.gpu_gaps).
+
 Writes bench/results/<date>-<gpu>-centring.json (or --json): per shape the times, the default config and every
-swept one with its error, with the command, date and commit.
+swept one with its error, the profile, with the command, date and commit.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import bench_ms, rel_err, result_path, table, write_json
+from bench.common import bench_ms, gpu_gaps, kernel_times, profiled, rel_err, result_path, table, write_json
 from sonic.routing import scores
 
 SHAPES = "16384x1536x128,32768x4096x128,32768x2048x64"  # sonic_7b's step (4 x 4096 tokens); 30B's and OLMoE's d, E
@@ -56,7 +62,19 @@ def _parse_sweep(text: str) -> list[dict]:
     return out
 
 
-def measure(T: int, D: int, E: int, S: int, sweep: list[dict], device: torch.device) -> dict:
+def profile_calls(fn, calls: int, cuda: bool) -> dict:
+    """Each kernel's mean us per call of fn() over `calls` calls, and the GPU's idle time per call between them."""
+    _, prof = profiled(lambda: [fn() for _ in range(calls)], cuda, cpu_too=cuda)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        gaps = gpu_gaps(json.loads(trace.read_text()).get("traceEvents", []), top=3)
+    return {"kernels_us": {name: 1e3 * ms / calls for name, ms, _ in kernel_times(prof, cuda)},
+            "idle_us": 1e3 * gaps.get("idle_ms", 0.0) / calls, "host_bound_us": 1e3 * gaps.get("idle_host_bound_ms",
+                                                                                                  0.0) / calls}
+
+
+def measure(T: int, D: int, E: int, S: int, sweep: list[dict], device: torch.device, profile: int = 0) -> dict:
     from sonic.kernels.triton import centring  # noqa: PLC0415 (Triton: a GPU or its interpreter)
 
     if T % S:
@@ -82,6 +100,11 @@ def measure(T: int, D: int, E: int, S: int, sweep: list[dict], device: torch.dev
             fwd = bench_ms(lambda: centring.prefix_centred_logits(x, w, S))
             bwd = bench_ms(lambda: centring.prefix_centred_logits_backward(dl, got, x, w, got_rstd, S))
         row["configs"].append({"cfg": cfg or "default", "fwd": fwd, "bwd": bwd, "err": err})
+    if profile:
+        cuda = device.type == "cuda"
+        row["profile"] = {"fwd": profile_calls(lambda: centring.prefix_centred_logits(x, w, S), profile, cuda),
+                          "bwd": profile_calls(lambda: centring.prefix_centred_logits_backward(dl, logits, x, w, rstd,
+                                                                                               S), profile, cuda)}
     return row
 
 
@@ -90,6 +113,7 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default=SHAPES, help="T x D x E, comma-separated")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--sweep", default="", help="more tile configs: BS,BD,num_warps/...")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="profile N calls of each direction per shape")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -103,7 +127,7 @@ def main(argv=None) -> None:
             T, D, E = (int(v) for v in shape.split("x"))
         except ValueError:
             raise SystemExit(f"--shapes {shape!r}: expected T x D x E, e.g. 16384x1536x128")
-        rows.append(measure(T, D, E, args.seq_len, sweep, device))
+        rows.append(measure(T, D, E, args.seq_len, sweep, device, args.profile))
     path = write_json(result_path("centring", args.json), {
         "what": "the router's prefix-centred logits alone: fused Triton kernels, the PyTorch definition, the plain "
                 "linear router", "units": "ms per call (do_bench median); err: the fused path's relative error "
@@ -116,6 +140,12 @@ def main(argv=None) -> None:
                           f"{r['linear_bwd']:.3f}", f"{c['err']:.1e}"])
     print(table(lines, ["T x D x E", "fused config", "fused fwd", "fused bwd", "def fwd", "def bwd", "linear fwd",
                         "linear bwd", "err"]))
+    for r in (r for r in rows if "profile" in r):
+        for way, p in r["profile"].items():
+            print(f"{r['T']}x{r['D']}x{r['E']} {way}: idle {p['idle_us']:.1f} us per call "
+                  f"({p['host_bound_us']:.1f} waiting for the host)")
+            for name, us in sorted(p["kernels_us"].items(), key=lambda kv: -kv[1]):
+                print(f"  {us:8.1f} us  {name[:90]}")
     print(f"wrote {path}")
 
 

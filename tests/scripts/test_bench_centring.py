@@ -14,7 +14,8 @@ def _run_and_check(out: str) -> None:
     from tests.helpers import patch_triton_interpreter
 
     patch_triton_interpreter()
-    centring.main(["--shapes", "128x64x16,64x32x8", "--seq-len", "32", "--sweep", "16,32,4", "--json", out])
+    centring.main(["--shapes", "128x64x16,64x32x8", "--seq-len", "32", "--sweep", "16,32,4", "--profile", "2",
+                   "--json", out])
     r = json.loads(open(out).read())
     assert [(row["T"], row["D"], row["E"]) for row in r["rows"]] == [(128, 64, 16), (64, 32, 8)]
     for row in r["rows"]:
@@ -22,6 +23,10 @@ def _run_and_check(out: str) -> None:
         assert row["default"]["BE"] >= row["E"]  # the experts, padded to a power of two
         for c in row["configs"]:
             assert c["fwd"] > 0 and c["bwd"] > 0 and 0 < c["err"] < 1e-2  # bf16's rounding of c, not a wrong sum
+        for way in ("fwd", "bwd"):  # on the CPU the host ops' times (dW's product among them), on a GPU kernels'
+            p = row["profile"][way]
+            assert p["kernels_us"] and all(us > 0 for us in p["kernels_us"].values()) and p["idle_us"] >= 0, p
+        assert "aten::mm" in row["profile"]["bwd"]["kernels_us"]
     assert r["command"] and r["commit"]
     print("centring bench ok")
 
