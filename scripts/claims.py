@@ -330,6 +330,7 @@ E2E_1X_NOMASTER = {n: f"2026-11-25-1xh200-e2e-40L-nomaster-{n}.json" for n in (1
 E2E_1X_TRITON_8F1B5EB = "2026-11-25-1xh200-e2e-40L-triton-8f1b5eb.json"
 PEER_TITAN_H100 = "bench/results/2026-11-25-h100-peer_titan.jsonl"
 PROFILE_40L = "bench/results/2026-11-25-h200-trainer_profile.json"
+PROFILE_40L_NOW = "bench/results/2026-11-25-h200-trainer_profile-c0ef921.json"
 E2E_COLUMNS = (
     Text("micro-batch × seq", args=("train.micro_batch_size", "train.seq_len")),
     Text("steps (averaged)", "steps_averaged"),
@@ -578,19 +579,20 @@ TABLES = (
                    Field("peak GiB", "peak_mem_gib"))),
     Table("profile_40l", first="step", caption="The trainer's own 40-layer `sonic_7b` step (cute, micro-batch 4 × "
           "4096, local BPE text) under torch.profiler, per profiled step (`bash bench/gpu.sh profile`, "
-          "`bench.trainer_profile`), at `d48eabb`: fp32 AdamW moments, the default then.",
-          rows=(Row("profiled steps", PROFILE_40L),),
+          "`bench.trainer_profile`): at `d48eabb`, fp32 AdamW moments and fp32 masters, the defaults then; at "
+          "`c0ef921`, bf16 moments and no masters, the defaults since.",
+          rows=(Row("profiled steps, `d48eabb`", PROFILE_40L), Row("profiled steps, `c0ef921`", PROFILE_40L_NOW)),
           columns=(Field("wall ms, unprofiled steps (median)", "step_wall_ms_after_profile_median"),
                    Field("span ms", "gaps_per_step.span_ms"), Field("GPU busy ms", "gaps_per_step.busy_ms"),
                    Field("GPU idle ms", "gaps_per_step.idle_ms"),
                    Field("idle, waiting for the host, ms", "gaps_per_step.idle_host_bound_ms"))),
-    Table("profile_40l_ops", first="operator", caption="The same profile's largest GPU consumers, per step: the "
+    Table("profile_40l_ops", first="operator", caption="The `c0ef921` profile's largest GPU consumers, per step: the "
           "device time of each operator's kernels (operators nest: `aten::mm` includes the loss's GEMMs).",
-          rows=tuple(Row(label, PROFILE_40L, {"0": op}, "top_ms_per_step") for label, op in (
+          rows=tuple(Row(label, PROFILE_40L_NOW, {"0": op}, "top_ms_per_step") for label, op in (
               ("dense GEMMs (`aten::mm`: attention projections, shared expert, router, loss)", "aten::mm"),
               ("cuDNN attention, backward", "aten::_cudnn_attention_backward"),
               ("the experts' backward (`sonic::experts_backward`, cute)", "sonic::experts_backward"),
-              ("AdamW (`_adamw_kernel`, fp32 moments)", "_adamw_kernel"),
+              ("AdamW (`_adamw_kernel`, bf16 moments, no masters)", "_adamw_kernel"),
               ("the experts' forward (`sonic::experts`, cute)", "sonic::experts"),
               ("the chunked linear + cross-entropy loss", "_ChunkedLinearCE"),
               ("cuDNN attention, forward", "aten::_cudnn_attention_forward"),
