@@ -80,10 +80,9 @@ def compile_enabled(cfg: ParallelConfig, device: torch.device) -> bool:
 
 def weights_dtype(cfg: ParallelConfig, info: DistInfo, bf16_step: bool, grad_accum: int = 1) -> torch.dtype | None:
     """The dtype one GPU holds the weights in (fp32 masters in the optimizer with optim.master_weights=fp32,
-    `build_optimizer`), or None: keep
-    them fp32. parallel.param_dtype is what the forward and backward read either way: FSDP-2 gathers its fp32
-    shards in it; one GPU has nothing to gather, so it holds the weights in it and saves the step's casts of
-    every weight and gradient (and runs the residual stream in it, as under FSDP). None with FSDP, off the GPU,
+    `build_optimizer`), or None: keep them fp32. parallel.param_dtype is what the forward and backward read either
+    way: FSDP-2 gathers its fp32 shards in it; one GPU has nothing to gather, so it holds the weights in it and saves
+    the step's casts of every weight and gradient (and runs the residual stream in it, as under FSDP). None with FSDP, off the GPU,
     where the step runs in fp32 (train.precision), and with train.grad_accum > 1, whose micro-batch gradients
     would then be summed in bf16 (fp32 weights sum them in fp32, as FSDP-2 does)."""
     if info.mesh is not None or info.device.type != "cuda" or not bf16_step or grad_accum > 1:

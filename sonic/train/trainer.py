@@ -19,6 +19,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from sonic import compat
 from sonic.data import build_loaders, build_tokenizer
+from sonic.device import to_device
 from sonic.kernels import resolve_backend
 from sonic.models import Transformer, param_counts, training_flops
 from sonic.models.hf import check_init_config
@@ -72,14 +73,11 @@ def evaluate(model, val_loader, cfg: Config, device: torch.device) -> float:
 
 def model_inputs(batch: dict, cfg: Config, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                          torch.Tensor]:
-    """(input_ids, doc_ids or None, labels) of a host batch, on `device`. On CUDA they go through pinned memory
-    without waiting: a copy from pageable memory first waits for every kernel already queued, so each step would
-    start with the GPU drained and idle while the host launches its first kernels."""
+    """(input_ids, doc_ids or None, labels) of a host batch, on `device`, copied without waiting for the GPU
+    (`sonic.device.to_device`): each step would otherwise start with the GPU drained and idle while the host
+    launches its first kernels."""
     keys = ("input_ids", "doc_ids", "labels") if cfg.train.document_masking else ("input_ids", "labels")
-    if device.type == "cuda":
-        moved = {k: batch[k].pin_memory().to(device, non_blocking=True) for k in keys}
-    else:
-        moved = {k: batch[k].to(device) for k in keys}
+    moved = {k: to_device(batch[k], device) for k in keys}
     return moved["input_ids"], moved.get("doc_ids"), moved["labels"]
 
 

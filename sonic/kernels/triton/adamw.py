@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sonic.device import to_device
+
 BLOCK = 2048  # elements per program: a streaming kernel, 8 warps, four 16-byte loads per stream per thread
 WARPS = 8
 
@@ -176,13 +178,7 @@ def block_table(numels: list[int], device: torch.device) -> Tensor:
     blocks = torch.tensor([triton.cdiv(n, BLOCK) for n in numels], dtype=torch.int64)
     owner = torch.repeat_interleave(torch.arange(len(numels)), blocks)
     first = torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)  # the owner's first program
-    return _to_device(torch.stack([owner, torch.arange(len(owner)) - first], dim=1).to(torch.int32), device)
-
-
-def _to_device(host: Tensor, device: torch.device) -> Tensor:
-    """`host` on `device`; to CUDA through pinned memory, so the copy waits for no queued kernel (a copy from
-    pageable memory would: a sync in the step). The pinned buffer is freed only once the copy has run."""
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    return to_device(torch.stack([owner, torch.arange(len(owner)) - first], dim=1).to(torch.int32), device)
 
 
 def adamw_tensors_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
@@ -218,7 +214,7 @@ def adamw_tensors_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
             for i, p in enumerate(params)]
     table = torch.tensor(rows, dtype=torch.int64)
     aligned = bool((table[:, :5] % 16 == 0).all())
-    table = _to_device(table, device)
+    table = to_device(table, device)
     _adamw_kernel[(len(blocks),)](
         table, blocks, params[0], masters[0] if masters is not None else steps[0], grads[0], exp_avgs[0], steps[0],
         grad_scale if grad_scale is not None else steps[0], found_inf if found_inf is not None else steps[0], lr,

@@ -19,7 +19,8 @@ product with a 0/1 triangular matrix on tensor cores (tl.cumsum along the rows c
 x is read twice forward and four times backward (with the GEMM), where materialising c and dc read and
 wrote eleven T x D tensors. Sums are fp32 in a fixed order (no atomics): deterministic. The launch
 configuration depends only on E (64 x 64 tiles, 4 warps at E <= 128: the best of twelve at three shapes on
-an H200, bench/results/2026-11-25-h200-centring_sweep.json): no autotuning.
+an H200, bench/results/2026-11-25-h200-centring_sweep.json, a scratch sweep that `python -m bench.centring
+--sweep` reruns): no autotuning. Where the time goes by kernel: `bench.centring --profile`.
 """
 from __future__ import annotations
 
