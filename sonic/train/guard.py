@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from sonic.parallel import all_reduce_
-from sonic.train.optim import global_norm, optimizer_step, takes_grad_scale
+from sonic.train.optim import norm_function, optimizer_step, takes_grad_scale
 
 log = logging.getLogger("sonic")
 
@@ -86,7 +86,7 @@ class NonFiniteGuard:
         lr = max(group["lr"] for group in self.optimizer.param_groups)
         if self.max_update_ratio:
             if self._weight_norm is None or step % WEIGHT_NORM_EVERY == 0:  # a pass over every weight: not each step
-                self._weight_norm = global_norm(self.params).to(grad_norm.device)
+                self._weight_norm = norm_function(self.optimizer)(self.params).to(grad_norm.device)
             exploding = lr * self.sqrt_n > self.max_update_ratio * self._weight_norm
         found_inf = (bad | exploding).to(torch.float32).reshape(())
         if self.policy == "stop" or not self.fused:
@@ -142,7 +142,7 @@ class NonFiniteGuard:
 
     def weight_rms(self) -> float:
         """The root mean square of the weights (a host sync)."""
-        return (global_norm(self.params) / self.sqrt_n).item()
+        return (norm_function(self.optimizer)(self.params) / self.sqrt_n).item()
 
     @property
     def in_streak(self) -> bool:

@@ -15,6 +15,7 @@ SCHEDULES = ("cosine", "wsd", "constant")
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop", "triton")
 MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MASTER_WEIGHTS = ("none", "fp32")
+GRAD_NORMS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -45,6 +46,10 @@ class OptimConfig:
     # step and 4 less to hold than fp32: an fp32 master of each, stepped and rounded into the weight. The tiny model's
     # 500-step loss curves agree, and sonic_7b trains faster (docs/performance.md). Elsewhere the weights are fp32.
     master_weights: str = "none"  # none | fp32
+    # The clip's global gradient norm. triton: one launch over every gradient of a dtype (TritonAdamW.global_norm);
+    # torch: its multi-tensor norm, which took about twice the bytes' time (docs/performance.md). auto: triton where
+    # the implementation resolves to triton, torch elsewhere.
+    grad_norm: str = "auto"  # auto | torch | triton
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -65,6 +70,8 @@ class OptimConfig:
             raise ValueError(f"optim.moment_dtype={self.moment_dtype!r} is not one of auto, {', '.join(MOMENT_DTYPES)}")
         if self.master_weights not in MASTER_WEIGHTS:
             raise ValueError(f"optim.master_weights={self.master_weights!r} is not one of {', '.join(MASTER_WEIGHTS)}")
+        if self.grad_norm not in GRAD_NORMS:
+            raise ValueError(f"optim.grad_norm={self.grad_norm!r} is not one of {', '.join(GRAD_NORMS)}")
 
 
 class TritonAdamW(torch.optim.AdamW):
@@ -91,6 +98,7 @@ class TritonAdamW(torch.optim.AdamW):
         assert moment_dtype in (None, torch.float32, torch.bfloat16), moment_dtype
         self.moment_dtype = moment_dtype  # None: the parameter's dtype, as torch's (fp32 with compute_dtype)
         self.compute_dtype = compute_dtype
+        self.triton_norm = True  # `norm_function` takes `global_norm` here (optim.grad_norm, set by apply_config)
         self._blocks: dict[tuple, tuple] = {}  # per group and dtypes: (the sizes, adamw_tensors_'s block table)
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]:
@@ -100,13 +108,12 @@ class TritonAdamW(torch.optim.AdamW):
         if compute_dtype is not None:
             for p in self._params():
                 assert p.dtype == torch.float32, p.dtype  # the master copies the weights as they were initialised
-                master = p.detach().clone()
                 # the whole state now, not at the first step: a checkpoint load reads into it in place
                 self.state[p].update(step=torch.zeros((), device=p.device),
-                                     exp_avg=torch.zeros_like(master, dtype=moment_dtype),
-                                     exp_avg_sq=torch.zeros_like(master, dtype=moment_dtype))
+                                     exp_avg=torch.zeros_like(p, dtype=moment_dtype),
+                                     exp_avg_sq=torch.zeros_like(p, dtype=moment_dtype))
                 if keep_masters:
-                    self.state[p]["master"] = master
+                    self.state[p]["master"] = p.detach().clone()
                 p.data = p.data.to(compute_dtype)
 
     def _params(self) -> list[torch.Tensor]:
@@ -122,6 +129,27 @@ class TritonAdamW(torch.optim.AdamW):
         masters = self.masters()
         return {p: masters[p] if p in masters else p.detach().float() for p in self._params()
                 if p.dtype != torch.float32}
+
+    def global_norm(self, tensors) -> torch.Tensor:
+        """`global_norm` of `tensors` (its gradients, or weights): for plain tensors one Triton launch per dtype over a
+        block table kept while their sizes stay (`sum_squares`); DTensors (FSDP-2) go to `global_norm`. torch's
+        multi-tensor norm took 5.6 ms per step for sonic_7b's 40 layers of bf16 gradients on an H200, about twice
+        the time their bytes take (bench/results/2026-11-25-h200-trainer_profile-c0ef921.json)."""
+        from sonic.kernels.triton.adamw import NORM_BLOCK, block_table, sum_squares  # noqa: PLC0415 (Triton)
+
+        tensors = list(tensors)
+        if not tensors or any(isinstance(t, DTensor) for t in tensors):
+            return global_norm(tensors)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        sums = []
+        for dtype, group in by_dtype.items():
+            sizes, kept = [t.numel() for t in group], self._blocks.get(("norm", dtype))
+            if kept is None or kept[0] != sizes:
+                kept = self._blocks["norm", dtype] = sizes, block_table(sizes, group[0].device, NORM_BLOCK)
+            sums.append(sum_squares(group, kept[1]))
+        return torch.stack(sums).sum().sqrt()
 
     def load_state_dict(self, state_dict):
         self._load_state_dict(state_dict)
@@ -287,6 +315,21 @@ def apply_config(optimizer: torch.optim.AdamW, cfg: OptimConfig) -> None:
     for group, weight_decay in ((decay, cfg.weight_decay), (no_decay, 0.0)):
         group.update(weight_decay=weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                      **_IMPLEMENTATION_FLAGS[implementation])
+    if isinstance(optimizer, TritonAdamW):
+        optimizer.triton_norm = resolve_grad_norm(cfg, implementation) == "triton"
+    else:
+        resolve_grad_norm(cfg, implementation)  # its error
+
+
+def resolve_grad_norm(cfg: OptimConfig, implementation: str) -> str:
+    """optim.grad_norm for the resolved implementation: auto is triton with triton's AdamW, torch elsewhere."""
+    if cfg.grad_norm == "auto":
+        return "triton" if implementation == "triton" else "torch"
+    if cfg.grad_norm == "triton" and implementation != "triton":
+        raise ValueError(f"optim.grad_norm=triton is triton's AdamW's (optim.implementation=triton, auto on CUDA); "
+                         f"optim.implementation={cfg.implementation} resolves to {implementation} here: set "
+                         f"optim.grad_norm=torch or auto")
+    return cfg.grad_norm
 
 
 def set_lr(optimizer: torch.optim.Optimizer, cfg: OptimConfig, step: int, total_steps: int) -> float:
@@ -319,13 +362,21 @@ def global_norm(tensors) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
-def clip_grad_norm(params, max_norm: float, scale_in_step: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def norm_function(optimizer: torch.optim.Optimizer):
+    """The `global_norm` to take of `optimizer`'s gradients and weights: TritonAdamW's own (one Triton launch,
+    optim.grad_norm=triton, auto's choice with optim.implementation=triton), else `global_norm`."""
+    return optimizer.global_norm if isinstance(optimizer, TritonAdamW) and optimizer.triton_norm else global_norm
+
+
+def clip_grad_norm(params, max_norm: float, scale_in_step: bool = False,
+                   norm=global_norm) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Clip the gradients to a global L2 norm of at most max_norm (inf: only measure it). Returns that norm
     over every shard, as a plain tensor (no host sync), and the clip as a divisor of the gradients, or None
     where the gradients were scaled here. scale_in_step=True leaves them as they are, for an optimizer that
-    divides each gradient as it reads it (`takes_grad_scale`): one read and write of every gradient fewer."""
+    divides each gradient as it reads it (`takes_grad_scale`): one read and write of every gradient fewer.
+    `norm`: `global_norm` or the optimizer's (`norm_function`)."""
     params = [p for p in params if p.grad is not None]
-    total = global_norm([p.grad for p in params])
+    total = norm([p.grad for p in params])
     if math.isinf(max_norm):
         return total, None
     if scale_in_step:  # torch's clip_grads_with_norm_'s factor, inverted

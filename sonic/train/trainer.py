@@ -31,7 +31,7 @@ from sonic.train.config import Config, check_resume_config, to_yaml
 from sonic.train.guard import NonFiniteGuard
 from sonic.train.loggers import MetricLogger
 from sonic.train.metrics import expert_load, peak_flops, speed_metrics
-from sonic.train.optim import apply_config, build_optimizer, clip_grad_norm, set_lr
+from sonic.train.optim import apply_config, build_optimizer, clip_grad_norm, norm_function, set_lr
 
 log = logging.getLogger("sonic")
 
@@ -262,7 +262,7 @@ def train(cfg: Config, lm_eval: Callable | None = None) -> list[dict]:
                 loss_sum += torch.stack([loss.detach(), aux, z, seq_aux])
             # over all shards; fused and triton AdamW apply the clip as they read the gradients
             grad_norm, grad_scale = clip_grad_norm(model.parameters(), cfg.optim.grad_clip or float("inf"),
-                                                   scale_in_step=guard.fused)
+                                                   scale_in_step=guard.fused, norm=norm_function(optimizer))
             # optimizer.step(), unless the loss or norm is non-finite or the update too large (train.nonfinite)
             guard.step(grad_norm, step + 1, loss=loss_sum[0], grad_scale=grad_scale)
             optimizer.zero_grad(set_to_none=True)

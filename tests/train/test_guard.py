@@ -9,7 +9,7 @@ import torch
 from sonic.models import ModelConfig, MoEConfig, Transformer
 from sonic.train.config import TrainConfig
 from sonic.train.guard import NonFiniteGuard
-from sonic.train.optim import OptimConfig, build_optimizer
+from sonic.train.optim import OptimConfig, build_optimizer, clip_grad_norm, norm_function
 
 CPU = torch.device("cpu")
 IMPLEMENTATIONS = ("fused", "foreach", "for_loop")
@@ -98,12 +98,13 @@ def test_fused_guard_does_not_synchronize_on_cuda(impl):
     optimizer = build_optimizer(model, OptimConfig(implementation=impl))
     guard = NonFiniteGuard(optimizer, "skip", 3, torch.device("cuda"), max_update_ratio=1.0)
     before = snapshot(model, optimizer)
-    norm = backward(model, seed=2, poison=True)
+    backward(model, seed=2, poison=True)
     loss = torch.tensor(2.0, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
-    try:
-        guard.step(norm, step=1, loss=loss, grad_scale=(norm + 1e-6).clamp_min(1.0))
+    try:  # the trainer's clip (triton: TritonAdamW's norm, also of the weights in the guard) and step
+        norm, grad_scale = clip_grad_norm(model.parameters(), 1.0, scale_in_step=True, norm=norm_function(optimizer))
+        guard.step(norm, step=1, loss=loss, grad_scale=grad_scale)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert guard.check() == 1

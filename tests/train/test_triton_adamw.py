@@ -10,8 +10,8 @@ import torch
 
 import sonic.kernels.triton.adamw as kernel
 from sonic.models import ModelConfig, MoEConfig, Transformer
-from sonic.train.optim import (OptimConfig, TritonAdamW, build_optimizer, clip_grad_norm, optimizer_step,
-                               takes_grad_scale)
+from sonic.train.optim import (OptimConfig, TritonAdamW, build_optimizer, clip_grad_norm, global_norm,
+                               norm_function, optimizer_step, takes_grad_scale)
 from tests.helpers import run_in_triton_interpreter
 
 SHAPES = ((3000,), (64, 70), (5,), (2048,))  # 3000: a partial second block; 2048: exactly one (BLOCK)
@@ -43,7 +43,7 @@ def check(device: str) -> None:
         for params in (ref_params, our_params):
             _set_grads(params, seed)
         grads = [p.grad.clone() for p in our_params]
-        norm, grad_scale = clip_grad_norm(our_params, max_norm, scale_in_step=True)
+        norm, grad_scale = clip_grad_norm(our_params, max_norm, scale_in_step=True, norm=norm_function(ours))
         assert (grad_scale is not None) and (grad_scale > 1).item() == (max_norm < 100)
         before = copy.deepcopy((our_params, ours.state_dict()))
         launches = []  # tensors per launch: one launch per param group, whatever its number of tensors
@@ -113,7 +113,7 @@ def check_masters(device: str) -> None:
         for p, q in zip(our_params, ref_params):
             p.grad = q.grad.bfloat16()  # what the backward of a bf16 weight gives
             q.grad = p.grad.float()
-        norm, grad_scale = clip_grad_norm(our_params, max_norm, scale_in_step=True)
+        norm, grad_scale = clip_grad_norm(our_params, max_norm, scale_in_step=True, norm=norm_function(ours))
         before = [masters[p].clone() for p in our_params]
         optimizer_step(ours, grad_scale, found_inf=torch.tensor(float(skipped), device=device))
         if skipped:
@@ -259,6 +259,32 @@ def check_no_masters(device: str) -> None:
         assert again.state[p]["exp_avg"].dtype == torch.float32
 
 
+def check_sum_squares(device: str) -> None:
+    """TritonAdamW's norm (`sum_squares`, one launch per dtype) is torch's: over sizes that do and do not fill its
+    blocks, an empty tensor, one not 16-byte aligned, bf16 and fp32 together; kept block tables follow new sizes."""
+    g = torch.Generator().manual_seed(3)
+    block = kernel.NORM_BLOCK
+    buffer = torch.randn(block + 9, generator=g)
+    tensors = [torch.randn(s, generator=g) * 10 for s in ((block,), (2 * block + 5,), (0,), (7, 3), (block - 1,))]
+    tensors = [t.to(device) for t in tensors] + [buffer.to(device)[1:block + 3]]  # 4 bytes past a 16-byte boundary
+    mixed = tensors[:3] + [t.bfloat16() for t in tensors[3:]]
+    params = [torch.nn.Parameter(torch.zeros(1, device=device))]
+    opt = TritonAdamW(params, **HYPER)
+    assert norm_function(opt) == opt.global_norm and norm_function(torch.optim.AdamW(params)) is global_norm
+    opt.triton_norm = False  # optim.grad_norm=torch (apply_config sets it)
+    assert norm_function(opt) is global_norm
+    opt.triton_norm = True
+    for case in (tensors, mixed, tensors[:2]):  # the last: new sizes, a new table
+        expect = torch.cat([t.double().flatten() for t in case]).norm()
+        got = opt.global_norm(case)
+        assert got.dtype == torch.float32 and got.device.type == torch.device(device).type
+        torch.testing.assert_close(got.double(), expect, rtol=1e-5, atol=0)
+        torch.testing.assert_close(got, global_norm(case), rtol=1e-5, atol=0)
+    assert len([k for k in opt._blocks if k[0] == "norm"]) == 2  # one per dtype
+    partials = kernel.sum_squares([tensors[1]])
+    torch.testing.assert_close(partials.double(), tensors[1].double().square().sum(), rtol=1e-5, atol=0)
+
+
 def _interpreter_main() -> None:
     from tests.helpers import patch_triton_interpreter
 
@@ -267,6 +293,7 @@ def _interpreter_main() -> None:
     check_masters("cpu")
     check_bf16_moments("cpu")
     check_no_masters("cpu")
+    check_sum_squares("cpu")
     print("adamw interpreter ok")
 
 
@@ -280,6 +307,7 @@ def test_triton_adamw_takes_torchs_step_on_the_gpu():
     check_masters("cuda")
     check_bf16_moments("cuda")
     check_no_masters("cuda")
+    check_sum_squares("cuda")
 
 
 def test_only_triton_keeps_bf16_moments():
@@ -287,6 +315,14 @@ def test_only_triton_keeps_bf16_moments():
         build_optimizer(_model(), OptimConfig(moment_dtype="bf16"))
     with pytest.raises(ValueError, match="optim.moment_dtype='fp16' is not one of auto, fp32, bf16"):
         OptimConfig(moment_dtype="fp16")
+
+
+def test_only_triton_takes_the_triton_norm():
+    with pytest.raises(ValueError, match="grad_norm=triton is triton's AdamW's.*fused here: set optim.grad_norm=torch"):
+        build_optimizer(_model(), OptimConfig(grad_norm="triton"))
+    with pytest.raises(ValueError, match="optim.grad_norm='fp32' is not one of auto, torch, triton"):
+        OptimConfig(grad_norm="fp32")
+    assert norm_function(build_optimizer(_model(), OptimConfig(grad_norm="torch"))) is global_norm
 
 
 def test_only_triton_keeps_master_weights():
@@ -347,7 +383,7 @@ def test_auto_is_torchs_fused_adamw_with_fp32_moments_on_the_cpu():
 @pytest.mark.gpu
 def test_auto_is_triton_with_bf16_moments_on_cuda():
     """optim.moment_dtype=auto holds triton's moments in bf16 (docs/performance.md has the loss curves); fp32 stays
-    one override away."""
+    one override away. optim.grad_norm=auto takes triton's norm with it; torch's is one override away."""
     for moment_dtype, want in (("auto", torch.bfloat16), ("fp32", torch.float32)):
         model = _model("cuda")
         optimizer = build_optimizer(model, OptimConfig(moment_dtype=moment_dtype))
@@ -355,23 +391,29 @@ def test_auto_is_triton_with_bf16_moments_on_cuda():
         model(torch.zeros(1, 4, dtype=torch.long, device="cuda")).logits_BSV.sum().backward()
         optimizer.step()
         assert _moment_dtypes(optimizer) == {want}, moment_dtype
+        assert norm_function(optimizer) == optimizer.global_norm  # optim.grad_norm=auto: triton's with it
+    torch_norm = build_optimizer(_model("cuda"), OptimConfig(grad_norm="torch"))
+    assert isinstance(torch_norm, TritonAdamW) and norm_function(torch_norm) is global_norm
 
 
 def _sm90_ptx(bf16_moments: bool) -> str:
-    """The step kernel's PTX for sm_90a (bf16 weights, fp32 masters, the clip and the skip), compiled ahead of time on
-    any machine with Triton's ptxas."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    """The step kernel's PTX for sm_90a (bf16 weights, fp32 masters, the clip and the skip)."""
     moment = "*bf16" if bf16_moments else "*fp32"
     pointers = {"table_ptr": "*i64", "blocks_ptr": "*i32", "p_like": "*bf16", "master_like": "*fp32",
                 "g_like": "*bf16", "m_like": moment, "step_like": "*fp32", "scale_ptr": "*fp32", "skip_ptr": "*fp32"}
     floats = dict.fromkeys(("lr", "weight_decay", "beta1", "beta2", "log2_beta1", "log2_beta2", "eps"), "fp32")
     flags = {"HAS_MASTER": True, "HAS_SCALE": True, "HAS_SKIP": True, "BF16_MOMENTS": bf16_moments, "ALIGNED": True,
              "BLOCK": kernel.BLOCK}
-    source = ASTSource(fn=kernel._adamw_kernel, signature={**pointers, **floats, **dict.fromkeys(flags, "constexpr")},
-                       constexprs=flags)
+    return _compile_sm90(kernel._adamw_kernel, {**pointers, **floats}, flags)
+
+
+def _compile_sm90(fn, signature: dict, constexprs: dict) -> str:
+    """`fn`'s PTX for sm_90a, compiled ahead of time on any machine with Triton's ptxas."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs)
     try:
         return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": kernel.WARPS}).asm["ptx"]
     except Exception as err:  # noqa: BLE001 (a Triton without its CUDA toolchain)
@@ -391,6 +433,18 @@ def test_full_blocks_load_and_store_16_bytes_at_a_time(bf16_moments):
     loads, stores = 1 + 2 + moments, 2 + 1 + moments  # gradient, master, moments in; master, parameter, moments out
     assert len(re.findall(r"\bld\.global\.v4\.b32", ptx)) == loads
     assert len(re.findall(r"\bst\.global\.v4\.b32", ptx)) == stores
+
+
+def test_norm_full_blocks_load_16_bytes_at_a_time():
+    """The gradient norm's kernel reads its addresses from a table too: a thread's 32 bf16 elements of a full block
+    in four 16-byte loads (without the hint and the unmasked path: 2-byte loads)."""
+    import re
+
+    ptx = _compile_sm90(kernel._sum_squares_kernel,
+                        {"table_ptr": "*i64", "blocks_ptr": "*i32", "like": "*bf16", "out_ptr": "*fp32"},
+                        {"ALIGNED": True, "BLOCK": kernel.NORM_BLOCK})
+    assert kernel.NORM_BLOCK // (32 * kernel.WARPS) == 32
+    assert len(re.findall(r"\bld\.global\.v4\.b32", ptx)) >= 4
 
 
 def test_bf16_moments_random_bits_cost_a_few_instructions():

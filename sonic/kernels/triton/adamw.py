@@ -44,6 +44,7 @@ from sonic.device import to_device
 
 BLOCK = 2048  # elements per program: a streaming kernel, 8 warps, four 16-byte loads per stream per thread
 WARPS = 8
+NORM_BLOCK = 8192  # elements per program of `sum_squares`: one stream, so larger blocks for the same bytes in flight
 
 
 @triton.jit
@@ -168,14 +169,31 @@ def _adamw_kernel(table_ptr, blocks_ptr, p_like, master_like, g_like, m_like, st
                      beta1, beta2, log2_beta1, log2_beta2, eps, HAS_MASTER, HAS_SCALE, BF16_MOMENTS, SR_PARAM, True)
 
 
+@triton.jit
+def _sum_squares_kernel(table_ptr, blocks_ptr, like, out_ptr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """out[program] = the fp32 sum of squares of one BLOCK of one tensor: blocks_ptr holds (tensor, block) per
+    program, table_ptr each tensor's address and numel; `like` shares the tensors' dtype."""
+    pid = tl.program_id(0)
+    row = table_ptr + tl.load(blocks_ptr + 2 * pid).to(tl.int64) * 2
+    ptr = _address(row, 0, like, ALIGNED)
+    n = tl.load(row + 1)
+    first = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64) * BLOCK
+    offs = first + tl.arange(0, BLOCK)
+    if first + BLOCK <= n:
+        x = _load(ptr, offs, n, False).to(tl.float32)
+    else:
+        x = _load(ptr, offs, n, True).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(x * x, axis=0))
+
+
 def _log2(beta: float) -> float:
     return math.log2(beta) if beta > 0 else float("-inf")  # beta = 0: no bias correction (exp2(-inf) = 0)
 
 
-def block_table(numels: list[int], device: torch.device) -> Tensor:
-    """(tensor, block) of every program of one launch over tensors of these sizes: int32 (programs, 2). It
-    depends on the sizes alone, so a caller keeps it from step to step."""
-    blocks = torch.tensor([triton.cdiv(n, BLOCK) for n in numels], dtype=torch.int64)
+def block_table(numels: list[int], device: torch.device, block: int = BLOCK) -> Tensor:
+    """(tensor, block) of every program of one launch over tensors of these sizes, `block` elements per program:
+    int32 (programs, 2). It depends on the sizes alone, so a caller keeps it from step to step."""
+    blocks = torch.tensor([triton.cdiv(n, block) for n in numels], dtype=torch.int64)
     owner = torch.repeat_interleave(torch.arange(len(numels)), blocks)
     first = torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)  # the owner's first program
     return to_device(torch.stack([owner, torch.arange(len(owner)) - first], dim=1).to(torch.int32), device)
@@ -222,3 +240,22 @@ def adamw_tensors_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
         HAS_SCALE=grad_scale is not None, HAS_SKIP=found_inf is not None, BF16_MOMENTS=bf16_moments,
         SR_PARAM=masters is None and params[0].dtype == torch.bfloat16, ALIGNED=aligned,
         BLOCK=BLOCK, num_warps=WARPS)
+
+
+def sum_squares(tensors: list[Tensor], blocks: Tensor | None = None) -> Tensor:
+    """The sum of the squares of every element of `tensors` (contiguous, one dtype and device), accumulated in fp32,
+    as a 0-d fp32 tensor on their device: one launch over all of them and a sum of its per-program partials. It
+    reads each element once (a clip's gradient norm: torch's multi-tensor norm took ~2x the bytes' time, see
+    `TritonAdamW.global_norm`). `blocks`: `block_table(sizes, device, NORM_BLOCK)`, if the caller keeps it."""
+    assert tensors and all(t.dtype == tensors[0].dtype and t.device == tensors[0].device and t.is_contiguous()
+                           for t in tensors), "one dtype and device, contiguous"
+    device = tensors[0].device
+    numels = [t.numel() for t in tensors]
+    blocks = block_table(numels, device, NORM_BLOCK) if blocks is None else blocks
+    partials = torch.zeros(len(blocks), dtype=torch.float32, device=device)
+    if len(blocks):
+        table = torch.tensor([[t.data_ptr(), n] for t, n in zip(tensors, numels)], dtype=torch.int64)
+        aligned = bool((table[:, 0] % 16 == 0).all())
+        _sum_squares_kernel[(len(blocks),)](to_device(table, device), blocks, tensors[0], partials, ALIGNED=aligned,
+                                            BLOCK=NORM_BLOCK, num_warps=WARPS)
+    return partials.sum()
