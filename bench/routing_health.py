@@ -43,7 +43,10 @@ a Hydra override, as for train.py. No evaluation, no checkpoint, a fresh start. 
   RMS, whatever the router uses): `ema64_mean_share` and `ema512_mean_share` (x minus an exponential
   moving average of the earlier positions with a window of 64 or 512 tokens), and `c_along_mean_share` (the
   share of the prefix-centred input's energy that lies along its prefix mean: how much of what centring keeps
-  is the varying amount of the shared vector each token carries).
+  is the varying amount of the shared vector each token carries); `c_mean_share` (mean_share of the
+  prefix-centred input before its rescale to unit RMS: the prefix mean leaves no shared part in it where a
+  sequence's statistics do not drift, so a u_mean_share well above it is made by the per-token rescale, which
+  shrinks the large tokens and grows the small ones).
 
 `--freeze attn.o_proj.weight` (diagnosis only) keeps those parameters at their initial values (zero:
 attention then adds nothing to the residual stream).
@@ -86,7 +89,7 @@ DIAG_FIELDS = ("max_over_mean", "aux_loss", "cos_to_mean", "mean_share", "mean_h
                "router_row_norm_cv", "hot_common_rank", "hot_std_rank", "hot_bias_rank", "u_mean_share",
                "u_seq_mean_share", "hot_top1_id_share", "hot_top10_id_share", "top10_id_share",
                "u_mean_share_head", "u_mean_share_tail", "ema64_mean_share", "ema512_mean_share",
-               "c_along_mean_share")
+               "c_along_mean_share", "c_mean_share")
 
 
 def diag_steps(steps: int, every: int) -> list[int]:
@@ -190,7 +193,7 @@ def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, ids_T: torch.Tensor, 
                        row_norm_E.std(unbiased=False) / row_norm_E.mean(), _rank(common_E, hot), _rank(std_E, hot),
                        _rank(bias, hot), _mean_share(u_TD), u_seq_mean_share, _top_id_share(ids_T, vocab, 1, to_hot_T),
                        _top_id_share(ids_T, vocab, 10, to_hot_T), _top_id_share(ids_T, vocab, 10),
-                       _mean_share(head), _mean_share(tail), *ema, along])
+                       _mean_share(head), _mean_share(tail), *ema, along, _mean_share(c_TD)])
     return row, {"mean_D": mean_D, "common_E": common_E}
 
 

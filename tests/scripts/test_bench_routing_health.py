@@ -38,7 +38,8 @@ def test_routing_health_bench_writes_the_curve_and_the_diagnostics(tmp_path):
             assert all(0 <= row[k] <= 1 for k in ("hot_common_rank", "hot_std_rank", "hot_bias_rank",
                                                     "u_mean_share", "u_seq_mean_share", "hot_top1_id_share",
                                                     "top10_id_share", "u_mean_share_head", "u_mean_share_tail",
-                                                    "ema64_mean_share", "ema512_mean_share", "c_along_mean_share"))
+                                                    "ema64_mean_share", "ema512_mean_share", "c_along_mean_share",
+                                                    "c_mean_share"))
             assert row["hot_top1_id_share"] <= row["hot_top10_id_share"] <= 1
             assert row["logit_expert_std_cv"] > 0 and row["router_row_norm_cv"] > 0
     first, later = result["diagnostics"][0]["layers"], result["diagnostics"][-1]["layers"]
