@@ -151,7 +151,7 @@ def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, ids_T: torch.Tensor, 
     cos_to_mean = (unit @ (unit_mean / unit_mean.norm().clamp_min(1e-12))).mean()
     mean_share = _mean_share(x)
     weight_ED = router.weight_ED.float()
-    logits_TE = router.scores(x_TD.float(), weight_ED, S).float()  # as the router computes them
+    logits_TE = router.logits(x_TD.float(), S).float()  # as the router computes them
     counts = routed.topk_counts_E.float()
     bias = router.expert_bias_E.float()
     # what each branch adds to the mean of the residual stream, along that mean, as a share of it

@@ -63,6 +63,9 @@ def hf_model_type(cfg: ModelConfig) -> str:
     if r.input_centring != "none":
         raise ValueError(f"model.moe.routing.input_centring={r.input_centring}: HF routers read the hidden state "
                          f"itself, so the exported model would route differently")
+    if r.logit_norm != "none":
+        raise ValueError(f"model.moe.routing.logit_norm={r.logit_norm}: HF routers pick the top-K of their logits as "
+                         f"they are, so the exported model would route differently")
     if r.balance != "none":
         raise ValueError(f"model.moe.routing.balance={r.balance}: HF routers pick the top-K of their logits with no "
                          f"per-batch offset, so the exported model would route differently")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from sonic.routing.backends import ROUTING_BACKENDS, ROUTING_METHODS
 from sonic.routing.balance import BALANCES
-from sonic.routing.scores import CENTRINGS
+from sonic.routing.scores import CENTRINGS, LOGIT_NORMS
 
 ORDERS = ("topk_softmax", "softmax_topk")
 ROUNDING_MODES = ("nearest", "stochastic", "nearest_score", "balance", "up", "down")
@@ -35,6 +35,9 @@ class RoutingConfig:
     # none: logits from the hidden state x (as Hugging Face OLMoE / Qwen3-MoE) | prefix: from x minus the mean of
     # the earlier positions of its sequence, at unit RMS (keeps deep routers balanced; sonic/routing/scores.py)
     input_centring: str = "none"
+    # none: the logits as they are | prefix: each expert's logit standardised by its mean and spread over the earlier
+    # positions of its sequence, so that no expert wins top-K by a wider logit distribution (sonic/routing/scores.py)
+    logit_norm: str = "none"
     # none: top-K of logits + expert bias | sinkhorn: plus a per-expert offset solved on this batch's logits by
     # balance_iters Sinkhorn steps at balance_temperature times the logits' token spread, so the batch's picks
     # spread over the experts (sonic/routing/balance.py)
@@ -49,6 +52,7 @@ class RoutingConfig:
                                       ("rounding_mode", self.rounding_mode, ROUNDING_MODES),
                                       ("aux_loss_scope", self.aux_loss_scope, AUX_SCOPES),
                                       ("input_centring", self.input_centring, CENTRINGS),
+                                      ("logit_norm", self.logit_norm, LOGIT_NORMS),
                                       ("balance", self.balance, BALANCES),
                                       ("bias_update_rule", self.bias_update_rule, BIAS_RULES)):
             if value not in allowed:

@@ -39,7 +39,7 @@ from sonic.routing.balance import OFFSETS
 from sonic.routing.config import RoutingConfig
 from sonic.routing.losses import sequence_aux_loss, switch_aux_loss, z_loss
 from sonic.routing.token_rounding import group_sum
-from sonic.routing.scores import build_scores
+from sonic.routing.scores import build_logit_norm, build_scores
 
 @dataclass
 class RouterOutput:
@@ -74,6 +74,7 @@ class Router(nn.Module):
         self.stats_group = None  # process group whose picks the aux loss counts (None: this process)
         self.ep_group = None  # expert-parallel group: token rounding rounds its summed counts
         self.scores = build_scores(cfg.input_centring)  # x -> logits (sonic/routing/scores.py)
+        self.logit_norm = build_logit_norm(cfg.logit_norm)  # logits -> logits (the same file)
         self._offset = OFFSETS[cfg.balance]  # (logits, expert bias) -> the selection's bias (sonic/routing/balance.py)
 
     def backend(self, device: torch.device):
@@ -86,9 +87,13 @@ class Router(nn.Module):
     def forward(self, x_TD: Tensor, seq_len: int | None = None) -> RouterOutput:
         """x_TD in the compute dtype (the MoE block casts it once for the router and the experts):
         sequences of seq_len tokens one after another (None: one sequence)."""
+        return self.route(self.logits(x_TD, seq_len), seq_len)
+
+    def logits(self, x_TD: Tensor, seq_len: int | None = None) -> Tensor:
+        """The logits the selection, the gates and the losses read: routing.input_centring, then routing.logit_norm."""
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = self.scores(x_TD, self.weight_ED.to(x_TD.dtype), seq_len, self.backend(x_TD.device))
-        return self.route(logits_TE, seq_len)
+            return self.logit_norm(logits_TE, seq_len)
 
     def selection_bias(self, logits_TE: Tensor) -> Tensor:
         """What the top-K selection adds to logits_TE: the expert bias, plus routing.balance's offset."""

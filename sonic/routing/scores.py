@@ -155,3 +155,58 @@ def prefix_centre_backward(dc_TD: Tensor, c_TD: Tensor, alpha_T: Tensor, seq_len
 def build_scores(centring: str) -> nn.Module:
     assert centring in CENTRINGS, centring
     return PrefixCentredScores() if centring == "prefix" else RawScores()
+
+
+# routing.logit_norm=prefix: how many positions' worth of the prior (mean 0, mean square 1: the logits' scale at
+# initialisation, unit-RMS input and weight std dim^-1/2) the earlier positions' statistics start from, so the first
+# positions of a sequence, with few earlier ones, are not divided by a noisy spread
+PRIOR_POSITIONS = 64
+LOGIT_NORMS = ("none", "prefix")
+
+
+class PrefixStandardisedLogits(nn.Module):
+    """routing.logit_norm=prefix: each expert's logit minus its mean over the earlier positions of the sequence,
+    over their standard deviation (both with PRIOR_POSITIONS of the prior mixed in). The statistics are constants
+    to autograd, as a running normaliser's.
+
+    Why (docs/routing.md, section 3): at the peak learning rate the router's input concentrates its spread in a few
+    directions, so an expert whose weight row leans into them has a wider logit distribution than the others and
+    wins most tokens' top-K through its upper tail, even with the router's weights frozen at their initial values,
+    and the expert bias (a shift, 0.01 a step) cannot narrow it. With each expert's logits at one mean and one spread
+    per sequence, top-K picks by how far a token stands out for that expert. It reads only earlier positions of the
+    same sequence, so evaluation routes as training does; no state."""
+
+    def forward(self, logits_TE: Tensor, seq_len: int | None = None) -> Tensor:
+        T, E = logits_TE.shape
+        S = T if seq_len is None else seq_len
+        assert S > 0 and T % S == 0, (T, S)
+        return standardise_by_prefix(logits_TE, S)
+
+
+def standardise_by_prefix(logits_TE: Tensor, seq_len: int) -> Tensor:
+    """The definition of routing.logit_norm=prefix (fp32 or wider): (z_t - mu_t) / sqrt(var_t), per sequence of
+    seq_len and expert, mu_t = sum(z_s, s < t) / (t + P), var_t = (sum(z_s^2, s < t) + P) / (t + P) - mu_t^2,
+    P = PRIOR_POSITIONS; mu and var carry no gradient."""
+    T, E = logits_TE.shape
+    S = seq_len
+    acc = torch.promote_types(logits_TE.dtype, torch.float32)
+    z_BES = logits_TE.to(acc).view(T // S, S, E).transpose(1, 2)  # positions innermost: the fast scan
+    with torch.no_grad():
+        earlier = z_BES.cumsum(-1) - z_BES
+        earlier_sq = (z_BES * z_BES).cumsum(-1) - z_BES * z_BES
+        n = torch.arange(S, device=logits_TE.device, dtype=acc) + PRIOR_POSITIONS
+        mean = earlier / n
+        rstd = torch.rsqrt(((earlier_sq + PRIOR_POSITIONS) / n - mean * mean).clamp_min(1e-4))
+    return ((z_BES - mean) * rstd).transpose(1, 2).reshape(T, E)
+
+
+def build_logit_norm(norm: str) -> nn.Module:
+    assert norm in LOGIT_NORMS, norm
+    return PrefixStandardisedLogits() if norm == "prefix" else _Unnormalised()
+
+
+class _Unnormalised(nn.Module):
+    """routing.logit_norm=none."""
+
+    def forward(self, logits_TE: Tensor, seq_len: int | None = None) -> Tensor:
+        return logits_TE

@@ -34,6 +34,7 @@ def step(moe, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 @pytest.mark.parametrize("routing", [dict(), dict(order="softmax_topk", renormalize=True, z_loss_coef=0.1),
                                      dict(input_centring="prefix", seq_aux_loss_coef=0.01),
                                      dict(input_centring="prefix", balance="sinkhorn"),
+                                     dict(input_centring="prefix", logit_norm="prefix"),
                                      dict(method="token_rounding", tile_size=8),
                                      dict(method="token_rounding", tile_size=8, rounding_mode="nearest_score")])
 def test_block_compiles_to_one_graph_and_matches_eager(routing):
@@ -70,7 +71,8 @@ def _step_compiled(fn, moe, x):
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", [dict(), dict(method="token_rounding", tile_size=16),
                                      dict(input_centring="prefix", seq_aux_loss_coef=0.01),
-                                     dict(input_centring="prefix", balance="sinkhorn")])
+                                     dict(input_centring="prefix", balance="sinkhorn"),
+                                     dict(input_centring="prefix", logit_norm="prefix")])
 def test_block_compiles_with_inductor_on_gpu(routing):
     """The trainer's per-block compile (inductor) on the GPU, in one graph: token rounding's selection is one
     custom op that inductor does not look into (on torch 2.11 it failed on its T x E cumsum)."""

@@ -21,6 +21,7 @@ from sonic.routing import Router, RoutingConfig
     (dict(bias_update_rate=-1e-3), "routing.bias_update_rate"),
     (dict(method="expert_choice", bias_update_rate=1e-3), "routing.bias_update_rate"),
     (dict(input_centring="mean"), "routing.input_centring"),
+    (dict(logit_norm="batch"), "routing.logit_norm"),
     (dict(balance="sinkorn"), "routing.balance"),
     (dict(balance_iters=0), "routing.balance_iters"),
     (dict(balance_iters=2.0), "routing.balance_iters"),

@@ -1,5 +1,6 @@
 """Router scores (routing.input_centring): prefix centring hides a per-sequence shared vector from the
-router, reads no later position or other sequence, and matches its definition."""
+router, reads no later position or other sequence, and matches its definition. routing.logit_norm=prefix:
+each expert's logits standardised over the earlier positions, likewise causal, to its definition."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from sonic.models.config import MoEConfig
 from sonic.models.moe import MoE
 from sonic.routing import Router, RoutingConfig
+from sonic.routing.scores import PRIOR_POSITIONS, standardise_by_prefix
 
 B, S, D, E, K = 3, 12, 16, 8, 2
 
@@ -109,3 +111,68 @@ def test_moe_block_centres_each_sequence_on_its_own(centring):
     else:
         assert not torch.allclose(after[1, 1:], before[1, 1:])
     assert torch.equal(after[[0, 2]], before[[0, 2]])
+
+
+def standardised_definition(z_BSE: torch.Tensor) -> torch.Tensor:
+    """Each expert's logit at t minus the mean of the earlier ones over their spread, with PRIOR_POSITIONS of the
+    prior (mean 0, mean square 1) mixed in; one position at a time, in fp64."""
+    P, out = PRIOR_POSITIONS, []
+    for seq in z_BSE.double():
+        for t in range(seq.shape[0]):
+            earlier = seq[:t]
+            mean = earlier.sum(0) / (t + P)
+            var = (earlier.square().sum(0) + P) / (t + P) - mean.square()
+            out.append((seq[t] - mean) / var.clamp_min(1e-4).sqrt())
+    return torch.stack(out)
+
+
+def test_logit_norm_matches_its_definition_and_reads_no_later_position():
+    router = prefix_router(logit_norm="prefix")
+    x = torch.randn(B, S, D)
+    raw = router.scores(x.view(-1, D), router.weight_ED, S)
+    got = router.logits(x.view(-1, D), S)
+    torch.testing.assert_close(got.double(), standardised_definition(raw.view(B, S, E)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.view(B, S, E)[:, 0], raw.view(B, S, E)[:, 0])  # position 0: the prior's (0, 1)
+    changed = x.clone()
+    changed[1, 5] += 10.0
+    after = router.logits(changed.view(-1, D), S).view(B, S, E)
+    same = torch.ones(B, S, dtype=torch.bool)
+    same[1, 5:] = False
+    assert torch.equal(after[same], got.view(B, S, E)[same])
+    assert not torch.allclose(after[1, 5:], got.view(B, S, E)[1, 5:])
+    assert torch.equal(Router(D, E, K, RoutingConfig(input_centring="prefix")).logit_norm(raw, S), raw)  # none
+
+
+def test_logit_norm_evens_out_an_expert_with_a_wider_spread():
+    """An expert whose weight row leans into the input's widest direction wins top-K through its upper tail; each
+    expert's logits at one mean and spread take that away (statistics over long sequences, so the prior fades)."""
+    torch.manual_seed(0)
+    Bw, Sw = 4, 512
+    scale_D = torch.ones(D)
+    scale_D[0] = 6.0  # the router's input spreads most along one direction
+    x = torch.randn(Bw * Sw, D) * scale_D
+    loads = {}
+    for norm in ("none", "prefix"):
+        router = Router(D, E, K, RoutingConfig(logit_norm=norm))
+        with torch.no_grad():
+            router.weight_ED.copy_(torch.randn(E, D) * D ** -0.5)
+            router.weight_ED[:, 0] = 0.0
+            router.weight_ED[3, 0] = 3.0  # expert 3 alone leans into it: its logits spread ~18x wider
+        counts = router(x, Sw).topk_counts_E.float()
+        loads[norm] = (counts.max() / counts.mean()).item()
+    # expert 3 takes about every token of its upper half: ~2x its share of E/K = 4 when the widths differ
+    assert loads["none"] > 1.8 and loads["prefix"] < 1.25, loads
+
+
+def test_logit_norm_passes_gradients_through_its_scale_only():
+    """The statistics are constants to autograd: the gradient on the raw logits is the output's over the spread."""
+    z = torch.randn(2 * 7, E, dtype=torch.float64, requires_grad=True)
+    out = standardise_by_prefix(z, 7)
+    g = torch.randn_like(out)
+    out.backward(g)
+    zB = z.detach().view(2, 7, E)
+    P = PRIOR_POSITIONS
+    n = torch.arange(7, dtype=torch.float64)[None, :, None] + P
+    mean = (zB.cumsum(1) - zB) / n
+    var = ((zB.square().cumsum(1) - zB.square()) + P) / n - mean.square()
+    torch.testing.assert_close(z.grad, (g.view(2, 7, E) / var.sqrt()).view(-1, E))
