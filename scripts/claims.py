@@ -328,6 +328,7 @@ E2E_1X_DEFAULT_MOMENTS = {f"{bits}-{n}": f"2026-11-25-1xh200-e2e-40L-moments-{bi
 E2E_1X_TRITON_E3BA90E = "2026-11-25-1xh200-e2e-40L-triton-e3ba90e.json"
 E2E_1X_NOMASTER = {n: f"2026-11-25-1xh200-e2e-40L-nomaster-{n}.json" for n in (1, 2)}
 E2E_1X_TRITON_8F1B5EB = "2026-11-25-1xh200-e2e-40L-triton-8f1b5eb.json"
+E2E_1X_GRADNORM = "2026-11-25-1xh200-e2e-40L-gradnorm.json"
 PEER_TITAN_H100 = "bench/results/2026-11-25-h100-peer_titan.jsonl"
 PROFILE_40L = "bench/results/2026-11-25-h200-trainer_profile.json"
 PROFILE_40L_NOW = "bench/results/2026-11-25-h200-trainer_profile-c0ef921.json"
@@ -436,7 +437,11 @@ TABLES = (
               e2e("no masters again (third run)", E2E_1X_NOMASTER[2], "cute_40L"),
               e2e("fp32 masters again (fourth run)", E2E_1X_NOMASTER[2], "cute_masters_40L"),
               e2e("`model.moe.kernel_backend=triton` at `8f1b5eb` (the same machine, after the smoke)",
-                  E2E_1X_TRITON_8F1B5EB, "triton_40L"))),
+                  E2E_1X_TRITON_8F1B5EB, "triton_40L"),
+              e2e("recipe, one GPU, cute, top-K, the clip's gradient norm in one Triton launch by default "
+                  "(`optim.grad_norm=auto`, `8c48750`; one job, this run first)", E2E_1X_GRADNORM, "cute_40L"),
+              e2e("`optim.grad_norm=torch`: torch's multi-tensor norm, as before (the same job, second)",
+                  E2E_1X_GRADNORM, "cute_torchnorm_40L"))),
     Table("peer_titan", first="model", columns=(
         Field("step ms, median", "step_ms"), Field("step ms, best", "step_ms_best"),
         Field("k tokens/s", "tokens_per_s", 1e-3), Ratio("× torchtitan, tokens/s", "tokens_per_s", "tokens_per_s",
@@ -502,6 +507,19 @@ TABLES = (
                "5-h200-routing_health-40L-topk-prefix-balancenone"),
               ("40 layers, input centred, Sinkhorn balance",
                "5-h200-routing_health-40L-topk-prefix-balancesinkhorn"))),
+          columns=ROUTING_COLUMNS),
+    Table("routing_logit_norm", first="run", caption="`sonic_7b` at the peak learning rate as above (one H200, "
+          "`data=local_bpe`, `optim.warmup_steps=20`, 100 steps, triton, top-K, input centred): each expert's logits "
+          "standardised over the earlier positions (`routing.logit_norm=prefix`, `8b5cc69`, 16 then 40 layers in two "
+          "calls on one machine) beside today's preset from the table above (earlier commits, other machines), and the "
+          "preset with the router's weights frozen at their initial values (`--freeze router.weight_ED`, `8c48750`, "
+          "a diagnosis).",
+          rows=tuple(Row(label, f"bench/results/2026-11-25-h200-routing_health-{file}.json") for label, file in (
+              ("16 layers, today's preset (input centred)", "16L-topk-prefix-balancenone"),
+              ("16 layers, logits standardised per expert", "16L-topk-prefix-logit_normprefix"),
+              ("40 layers, today's preset (input centred)", "40L-topk-prefix-balancenone"),
+              ("40 layers, logits standardised per expert", "40L-topk-prefix-logit_normprefix"),
+              ("16 layers, today's preset, router weights frozen (diagnosis)", "16L-topk-prefix-freeze_router"))),
           columns=ROUTING_COLUMNS),
     Table("block_h200", first="config, backend", caption="The MoE block as `sonic_7b` builds it (router with "
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
