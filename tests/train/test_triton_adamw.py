@@ -420,6 +420,7 @@ def _compile_sm90(fn, signature: dict, constexprs: dict) -> str:
         pytest.skip(f"cannot compile for sm_90a here: {err}")
 
 
+@pytest.mark.gpu  # needs Triton's CUDA toolchain: CI skips it, the smoke (-m gpu) runs it
 @pytest.mark.parametrize("bf16_moments", [False, True])
 def test_full_blocks_load_and_store_16_bytes_at_a_time(bf16_moments):
     """The kernel reads its addresses from a table, where the compiler cannot see their alignment or the tensors'
@@ -435,6 +436,7 @@ def test_full_blocks_load_and_store_16_bytes_at_a_time(bf16_moments):
     assert len(re.findall(r"\bst\.global\.v4\.b32", ptx)) == stores
 
 
+@pytest.mark.gpu  # needs Triton's CUDA toolchain: CI skips it, the smoke (-m gpu) runs it
 def test_norm_full_blocks_load_16_bytes_at_a_time():
     """The gradient norm's kernel reads its addresses from a table too: a thread's 32 bf16 elements of a full block
     in four 16-byte loads (without the hint and the unmasked path: 2-byte loads)."""
@@ -447,6 +449,7 @@ def test_norm_full_blocks_load_16_bytes_at_a_time():
     assert len(re.findall(r"\bld\.global\.v4\.b32", ptx)) >= 4
 
 
+@pytest.mark.gpu  # needs Triton's CUDA toolchain: CI skips it, the smoke (-m gpu) runs it
 def test_bf16_moments_random_bits_cost_a_few_instructions():
     """Stochastic rounding's bits are a cheap hash: Philox (tl.randint4x, ~100 integer instructions an element, its
     32x32->64-bit products `mul.hi`) made the bf16-moment step compute-bound, no faster than fp32 moments' (H200).
