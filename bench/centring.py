@@ -84,27 +84,27 @@ def measure(T: int, D: int, E: int, S: int, sweep: list[dict], device: torch.dev
     w = (torch.randn(E, D, generator=gen, device=device) / D ** 0.5).bfloat16()
     dl = torch.randn(T, E, generator=gen, device=device)
     want, rstd64 = scores.prefix_centred_logits(x.double(), w.double(), S)
-    want_dx, _ = scores.prefix_centred_logits_backward(dl.double(), want, x.double(), w.double(), rstd64, S)
-    logits, rstd = scores.prefix_centred_logits(x, w, S)
+    want_dx, _ = scores.prefix_centred_logits_backward(dl.double(), x.double(), w.double(), rstd64, S)
+    _, rstd = scores.prefix_centred_logits(x, w, S)
     row = {"T": T, "D": D, "E": E, "seq_len": S,
            "definition_fwd": bench_ms(lambda: scores.prefix_centred_logits(x, w, S)),
-           "definition_bwd": bench_ms(lambda: scores.prefix_centred_logits_backward(dl, logits, x, w, rstd, S)),
+           "definition_bwd": bench_ms(lambda: scores.prefix_centred_logits_backward(dl, x, w, rstd, S)),
            "linear_fwd": bench_ms(lambda: F.linear(x, w)),
            "linear_bwd": bench_ms(lambda: (dl.bfloat16() @ w, dl.bfloat16().t() @ x)),
            "default": centring._tiles(E), "configs": []}
     for cfg in [None, *sweep]:
         with _tiles(centring, cfg):
             got, got_rstd = centring.prefix_centred_logits(x, w, S)
-            dx, _ = centring.prefix_centred_logits_backward(dl, got, x, w, got_rstd, S)
+            dx, _ = centring.prefix_centred_logits_backward(dl, x, w, got_rstd, S)
             err = max(rel_err(got, want), rel_err(dx, want_dx))
             fwd = bench_ms(lambda: centring.prefix_centred_logits(x, w, S))
-            bwd = bench_ms(lambda: centring.prefix_centred_logits_backward(dl, got, x, w, got_rstd, S))
+            bwd = bench_ms(lambda: centring.prefix_centred_logits_backward(dl, x, w, got_rstd, S))
         row["configs"].append({"cfg": cfg or "default", "fwd": fwd, "bwd": bwd, "err": err})
     if profile:
         cuda = device.type == "cuda"
         row["profile"] = {"fwd": profile_calls(lambda: centring.prefix_centred_logits(x, w, S), profile, cuda),
-                          "bwd": profile_calls(lambda: centring.prefix_centred_logits_backward(dl, logits, x, w, rstd,
-                                                                                               S), profile, cuda)}
+                          "bwd": profile_calls(lambda: centring.prefix_centred_logits_backward(dl, x, w, rstd, S),
+                                               profile, cuda)}
     return row
 
 

@@ -53,10 +53,14 @@ class PrefixCentredScores(nn.Module):
 
 # logits = (W c) * rstd, rstd = rsqrt(mean(c^2) + EPS), c = prefix_centre(x), as one op with its own backward op,
 # both run by the routing backend's prefix_centred_logits[_backward]: autograd through plain ops would keep c, one
-# more T x D tensor per layer (and so would torch.compile's partitioner). Saved: x (which the experts keep anyway:
-# the same storage), W, rstd and the logits (which the selection keeps: the same storage again). The ops' names
-# changed with their signatures: torch.compile's caches know a custom op by name, and a cache warmed by the
-# earlier ops (which saved no logits) called one signature with the other's arguments.
+# more T x D tensor per layer (and so would torch.compile's partitioner). rstd is a constant to autograd, as
+# routing.logit_norm's statistics are: the router's own gradient (dW = dz^T c) is the same either way, and the
+# gradient on x loses only the part of the rms's that is along c (measured at 16 and 40 layers: docs/routing.md,
+# section 3). With it gone the backward is linear in dz: dx = P^T W^T dz = (P^T dz) W and dW = (P^T dz)^T x, two
+# GEMMs and a scan over T x E, where the rms's part needed two more passes over x and a scan over T x D. Saved: x
+# (which the experts keep anyway: the same storage), W and rstd. The ops' names changed with their signatures:
+# torch.compile's caches know a custom op by name, and a cache warmed by earlier ops called one signature with the
+# other's arguments.
 @torch.library.custom_op("sonic::centred_router_logits", mutates_args=())
 def _centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
     return importlib.import_module(ops).prefix_centred_logits(x_TD, weight_ED, seq_len)
@@ -68,30 +72,28 @@ def _(x_TD, weight_ED, seq_len, ops):
     return x_TD.new_empty((x_TD.shape[0], weight_ED.shape[0]), dtype=acc), x_TD.new_empty((x_TD.shape[0],), dtype=acc)
 
 
-@torch.library.custom_op("sonic::centred_router_logits_backward", mutates_args=())
-def _centred_logits_backward(dlogits_TE: Tensor, logits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor, rstd_T: Tensor,
-                             seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
-    return importlib.import_module(ops).prefix_centred_logits_backward(dlogits_TE, logits_TE, x_TD, weight_ED,
-                                                                       rstd_T, seq_len)
+@torch.library.custom_op("sonic::centred_router_logits_const_scale_backward", mutates_args=())
+def _centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor, rstd_T: Tensor, seq_len: int,
+                             ops: str) -> tuple[Tensor, Tensor]:
+    return importlib.import_module(ops).prefix_centred_logits_backward(dlogits_TE, x_TD, weight_ED, rstd_T, seq_len)
 
 
 @_centred_logits_backward.register_fake
-def _(dlogits_TE, logits_TE, x_TD, weight_ED, rstd_T, seq_len, ops):
+def _(dlogits_TE, x_TD, weight_ED, rstd_T, seq_len, ops):
     return torch.empty_like(x_TD), torch.empty_like(weight_ED)
 
 
 def _setup(ctx, inputs, output):
     x_TD, weight_ED, seq_len, ops = inputs
-    logits_TE, rstd_T = output
-    ctx.save_for_backward(x_TD, weight_ED, rstd_T, logits_TE)
+    ctx.save_for_backward(x_TD, weight_ED, output[1])
     ctx.seq_len, ctx.ops = seq_len, ops
-    ctx.mark_non_differentiable(rstd_T)
+    ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, dlogits_TE, _drstd):
-    x_TD, weight_ED, rstd_T, logits_TE = ctx.saved_tensors
-    dx_TD, dweight_ED = _centred_logits_backward(dlogits_TE.contiguous(), logits_TE, x_TD, weight_ED, rstd_T,
-                                                 ctx.seq_len, ctx.ops)
+    x_TD, weight_ED, rstd_T = ctx.saved_tensors
+    dx_TD, dweight_ED = _centred_logits_backward(dlogits_TE.contiguous(), x_TD, weight_ED, rstd_T, ctx.seq_len,
+                                                 ctx.ops)
     return dx_TD, dweight_ED, None, None
 
 
@@ -107,18 +109,14 @@ def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tupl
     return F.linear(c_TD.to(acc), weight_ED.to(acc)) * rstd_T.unsqueeze(-1), rstd_T
 
 
-def prefix_centred_logits_backward(dlogits_TE: Tensor, logits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor,
-                                   rstd_T: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
-    """(dx_TD, dweight_ED) of prefix_centred_logits: the gradient on c is g = W^T dz + alpha c, with
-    dz = dlogits * rstd and alpha c the rms's part, and dx = prefix_centre_backward(g)."""
+def prefix_centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor, rstd_T: Tensor,
+                                   seq_len: int) -> tuple[Tensor, Tensor]:
+    """(dx_TD, dweight_ED) of prefix_centred_logits with rstd held constant: with dz = dlogits * rstd,
+    dx = prefix_centre_backward(dz W) and dW = dz^T c."""
     acc = rstd_T.dtype
+    dz_TE = dlogits_TE.to(acc) * rstd_T.unsqueeze(-1)
     c_TD = prefix_centre(x_TD, seq_len)[0].to(acc)
-    dlogits_TE = dlogits_TE.to(acc)
-    dz_TE = dlogits_TE * rstd_T.unsqueeze(-1)
-    # d rstd = <dlogits, W c> = <dlogits, logits> / rstd; rstd = (ms + EPS)^-1/2 and ms = |c|^2 / D
-    drstd_T = (dlogits_TE * logits_TE).sum(-1) / rstd_T
-    alpha_T = drstd_T * rstd_T.pow(3) * (-1.0 / x_TD.shape[1])
-    dx_TD = prefix_centre_backward(dz_TE @ weight_ED.to(acc), c_TD, alpha_T, seq_len)
+    dx_TD = prefix_centre_backward(dz_TE @ weight_ED.to(acc), seq_len)
     return dx_TD.to(x_TD.dtype), (dz_TE.t() @ c_TD).to(weight_ED.dtype)
 
 
@@ -141,12 +139,13 @@ def prefix_centre(x_TD: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
     return c_TD, torch.linalg.vector_norm(c_TD, dim=-1, dtype=acc).square() / D
 
 
-def prefix_centre_backward(dc_TD: Tensor, c_TD: Tensor, alpha_T: Tensor, seq_len: int) -> Tensor:
-    """dx of prefix_centre for the total gradient dc_TD + alpha_T * c_TD on c: dx_s = g_s - sum_{t>s} g_t / t."""
+def prefix_centre_backward(dc_TD: Tensor, seq_len: int) -> Tensor:
+    """dx of prefix_centre for the gradient dc_TD on c (fp32 or wider): dx_s = g_s - sum_{t>s} g_t / n_t. Any
+    width: the fused backend runs it on T x E (P^T dz), the definition on T x D."""
     T, D = dc_TD.shape
     S = seq_len
-    acc = alpha_T.dtype
-    g_BDS = (dc_TD.to(acc) + alpha_T.unsqueeze(-1) * c_TD.to(acc)).view(T // S, S, D).transpose(1, 2)
+    acc = torch.promote_types(dc_TD.dtype, torch.float32)
+    g_BDS = dc_TD.to(acc).view(T // S, S, D).transpose(1, 2)
     u_BDS = g_BDS / _counts(S, acc, dc_TD.device)
     later_BDS = u_BDS.flip(-1).cumsum(-1).flip(-1) - u_BDS  # the sum over t > s
     return (g_BDS - later_BDS).transpose(1, 2).reshape(T, D).to(dc_TD.dtype)

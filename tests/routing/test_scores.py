@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from sonic.models.config import MoEConfig
 from sonic.models.moe import MoE
-from sonic.routing import Router, RoutingConfig
+from sonic.routing import Router, RoutingConfig, scores
 from sonic.routing.scores import PRIOR_POSITIONS, standardise_by_prefix
 
 B, S, D, E, K = 3, 12, 16, 8, 2
@@ -64,11 +65,31 @@ def test_prefix_centring_reads_no_later_position_and_no_other_sequence():
     assert not torch.allclose(after[1, 5:], before[1, 5:])
 
 
-def test_prefix_scores_gradcheck():
+def _autograd_definition(x_TD: torch.Tensor, weight_ED: torch.Tensor, seq_len: int, const_scale: bool):
+    """prefix_centred_logits through plain autograd, its rstd a constant or not."""
+    c_TD, mean_square_T = scores.prefix_centre(x_TD, seq_len)
+    rstd_T = torch.rsqrt(mean_square_T + scores.EPS)
+    return F.linear(c_TD, weight_ED) * (rstd_T.detach() if const_scale else rstd_T).unsqueeze(-1)
+
+
+def test_prefix_scores_gradients_hold_the_scale_constant():
+    """The router's weights get the whole gradient; x gets all of it but the rms's part (scores.py says why)."""
     router = prefix_router().double()
-    x = torch.randn(2 * 5, D, dtype=torch.float64, requires_grad=True)
+    S = 5
+    x = torch.randn(2 * S, D, dtype=torch.float64, requires_grad=True)
     w = router.weight_ED.detach().clone().requires_grad_()
-    assert torch.autograd.gradcheck(lambda x, w: router.scores(x, w, 5), (x, w))
+    dlogits = torch.randn(2 * S, E, dtype=torch.float64)
+
+    def grads(logits):
+        return torch.autograd.grad((logits * dlogits).sum(), (x, w))
+
+    dx, dw = grads(router.scores(x, w, S))
+    dx_const, dw_const = grads(_autograd_definition(x, w, S, const_scale=True))
+    dx_full, dw_full = grads(_autograd_definition(x, w, S, const_scale=False))
+    torch.testing.assert_close(dx, dx_const, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dw, dw_const, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dw, dw_full, rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(dx, dx_full, rtol=1e-3, atol=1e-3)
 
 
 def test_raw_scores_are_the_linear_layer():

@@ -10,14 +10,12 @@ A tile is (sequence, chunk of BS positions) x (block of BD features). Its M is t
 product with a 0/1 triangular matrix on tensor cores (tl.cumsum along the rows crossed warps and cost most).
   forward   chunk sums of x, scan; per chunk, over the feature blocks: c, the sum of c^2 and W c (a dot),
             then the logits. Each chunk reads all of W, so the chunks are as long as the accumulator allows.
-  backward  with dz = dlogits * rstd and alpha = -<dlogits, W c> rstd^3 / D (the rms's part), the gradient on
-            c is W^T dz + alpha c and dx = P^T of it, where (P^T g)_s = g_s - sum_{t>s} g_t / n_t. As
-            P^T W^T dz = (P^T dz) W, only alpha c needs a scan over D; q = P^T dz is T x E, and dW = q^T x.
-            Chunk sums of x, scan; alpha and the chunk sums of dz / n, reverse scan, q (T x E only); per
-            tile, the chunk sums of alpha c / n, reverse scan; per tile, dx = q W + alpha c - (the later
-            positions' alpha c / n); then dW = q^T x (one GEMM).
-x is read twice forward and four times backward (with the GEMM), where materialising c and dc read and
-wrote eleven T x D tensors. Sums are fp32 in a fixed order (no atomics): deterministic. The launch
+  backward  rstd is a constant to autograd (sonic/routing/scores.py says why), so with dz = dlogits * rstd the
+            gradient is linear in dz: dx = P^T W^T dz = (P^T dz) W and dW = (P^T dz)^T x, where
+            (P^T g)_s = g_s - sum_{t>s} g_t / n_t. q = P^T dz is T x E: the chunk sums of dz / n, a reverse scan,
+            then q per chunk; dx and dW are two GEMMs (cuBLAS).
+x is read twice forward and twice backward (by the GEMMs), where materialising c and dc read and wrote eleven
+T x D tensors. Sums are fp32 in a fixed order (no atomics): deterministic. The launch
 configuration depends only on E (64 x 64 tiles, 4 warps at E <= 128: the best of twelve at three shapes on
 an H200, bench/results/2026-11-25-h200-centring_sweep.json, a scratch sweep that `python -m bench.centring
 --sweep` reruns): no autotuning. Where the time goes by kernel: `bench.centring --profile`.
@@ -77,18 +75,6 @@ def _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BS: tl.co
 
 
 @triton.jit
-def _later_within(g, c):
-    """sum_{t>s} g_t c_t over the tile's positions t after s, for per-position weights g (fp32) and c in x's
-    dtype, on tensor cores: the weights split into two 16-bit parts, so the sum keeps about 16 bits of them."""
-    i = tl.arange(0, g.shape[0])
-    G = tl.where(i[None, :] > i[:, None], g[None, :], 0.0)
-    if c.dtype == tl.float32:
-        return tl.dot(G, c, input_precision="ieee")
-    hi = G.to(c.dtype)
-    return tl.dot(hi, c) + tl.dot((G - hi.to(tl.float32)).to(c.dtype), c)
-
-
-@triton.jit
 def _chunk_sums_kernel(x_ptr, sums_ptr, S, D, NC, BS: tl.constexpr, BD: tl.constexpr):
     """sums[seq, chunk, d] = sum of x over the chunk's positions."""
     seq, chunk, dblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -138,23 +124,19 @@ def _forward_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E
 
 @triton.jit
 def _dz(dlogits_ptr, rstd_ptr, rows, sm, E: tl.constexpr, BE: tl.constexpr):
-    """dz = dlogits * rstd of the tile's positions, the dlogits, and the (positions, experts) mask."""
+    """dz = dlogits * rstd of the tile's positions, its experts and the (positions, experts) mask."""
     e = tl.arange(0, BE)
     m = sm[:, None] & (e < E)[None, :]
     dl = tl.load(dlogits_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
-    return dl * tl.load(rstd_ptr + rows, mask=sm, other=1.0)[:, None], dl, e, m
+    return dl * tl.load(rstd_ptr + rows, mask=sm, other=1.0)[:, None], e, m
 
 
 @triton.jit
-def _alpha_kernel(dlogits_ptr, logits_ptr, rstd_ptr, alpha_ptr, sums_e_ptr, S, D, NC, E: tl.constexpr,
-                  BS: tl.constexpr, BE: tl.constexpr):
-    """alpha = -<dlogits, W c> rstd^3 / D (W c = logits / rstd), and per chunk the sum of dz / n."""
+def _dz_sums_kernel(dlogits_ptr, rstd_ptr, sums_e_ptr, S, NC, E: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr):
+    """Per chunk, the sum of dz / n over its positions."""
     seq, chunk = tl.program_id(0), tl.program_id(1)
     _, rows, sm, n = _positions(seq, chunk, S, BS)
-    dz, dl, e, m = _dz(dlogits_ptr, rstd_ptr, rows, sm, E, BE)
-    lg = tl.load(logits_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
-    r = tl.load(rstd_ptr + rows, mask=sm, other=1.0)
-    tl.store(alpha_ptr + rows, -tl.sum(dl * lg, axis=1) * r * r / D, mask=sm)
+    dz, e, _ = _dz(dlogits_ptr, rstd_ptr, rows, sm, E, BE)
     tl.store(sums_e_ptr + (seq.to(tl.int64) * NC + chunk) * E + e, tl.sum(dz / n[:, None], axis=0), mask=e < E)
 
 
@@ -164,45 +146,11 @@ def _q_kernel(dlogits_ptr, rstd_ptr, later_e_ptr, q_ptr, S, NC, E: tl.constexpr,
     """q = P^T dz: dz_s - sum_{t>s} dz_t / n_t, the later chunks' sum plus this chunk's after the position."""
     seq, chunk = tl.program_id(0), tl.program_id(1)
     _, rows, sm, n = _positions(seq, chunk, S, BS)
-    dz, _, e, m = _dz(dlogits_ptr, rstd_ptr, rows, sm, E, BE)
+    dz, e, m = _dz(dlogits_ptr, rstd_ptr, rows, sm, E, BE)
     u = dz / n[:, None]
     later = tl.load(later_e_ptr + (seq.to(tl.int64) * NC + chunk) * E + e, mask=e < E, other=0.0)
     q = dz - (later[None, :] + tl.sum(u, axis=0)[None, :] - tl.cumsum(u, axis=0))
     tl.store(q_ptr + rows[:, None] * E + e[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _alpha_c(x_ptr, earlier_ptr, alpha_ptr, seq, chunk, dblk, S, D, NC, BS: tl.constexpr, BD: tl.constexpr):
-    """c of one (positions, feature block) tile, alpha c, and alpha / n per position."""
-    _, rows, sm, n = _positions(seq, chunk, S, BS)
-    c, d, dm = _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, dblk * BD, S, D, NC, BS, BD)
-    alpha = tl.load(alpha_ptr + rows, mask=sm, other=0.0)
-    return c, alpha[:, None] * c.to(tl.float32), alpha / n, rows, sm, d, dm
-
-
-@triton.jit
-def _grad_sums_kernel(x_ptr, earlier_ptr, alpha_ptr, sums_d_ptr, S, D, NC, BS: tl.constexpr, BD: tl.constexpr):
-    """Per chunk, the sum over its positions of alpha c / n."""
-    seq, chunk, dblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c, _, g, _, _, d, dm = _alpha_c(x_ptr, earlier_ptr, alpha_ptr, seq, chunk, dblk, S, D, NC, BS, BD)
-    tl.store(sums_d_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, tl.sum(g[:, None] * c.to(tl.float32), axis=0),
-             mask=dm)
-
-
-@triton.jit
-def _grad_kernel(x_ptr, earlier_ptr, alpha_ptr, later_d_ptr, q_ptr, w_ptr, dx_ptr, S, D, NC, E: tl.constexpr,
-                 PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
-    """dx = q W + alpha c - sum_{t>s} alpha_t c_t / n_t."""
-    seq, chunk, dblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c, ac, g, rows, sm, d, dm = _alpha_c(x_ptr, earlier_ptr, alpha_ptr, seq, chunk, dblk, S, D, NC, BS, BD)
-    later = tl.load(later_d_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, mask=dm, other=0.0)[None, :] \
-        + _later_within(g, c)
-    e = tl.arange(0, BE)
-    em = e < E
-    q = tl.load(q_ptr + rows[:, None] * E + e[None, :], mask=sm[:, None] & em[None, :], other=0.0)
-    w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=em[:, None] & dm[None, :], other=0.0)
-    dx = tl.dot(q, w, input_precision=PREC) + ac - later
-    tl.store(dx_ptr + rows[:, None] * D + d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=sm[:, None] & dm[None, :])
 
 
 def _scan(sums: Tensor, reverse: bool) -> Tensor:
@@ -246,28 +194,21 @@ def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tupl
     return logits_TE, rstd_T
 
 
-def prefix_centred_logits_backward(dlogits_TE: Tensor, logits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor,
-                                   rstd_T: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
-    """sonic.routing.scores.prefix_centred_logits_backward, fused."""
+def prefix_centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor, rstd_T: Tensor,
+                                   seq_len: int) -> tuple[Tensor, Tensor]:
+    """sonic.routing.scores.prefix_centred_logits_backward, fused: q = P^T dz, dx = q W, dW = q^T x."""
     if not _fused(x_TD):
-        return scores.prefix_centred_logits_backward(dlogits_TE, logits_TE, x_TD, weight_ED, rstd_T, seq_len)
+        return scores.prefix_centred_logits_backward(dlogits_TE, x_TD, weight_ED, rstd_T, seq_len)
     x_TD, w_ED = x_TD.contiguous(), weight_ED.to(x_TD.dtype).contiguous()
-    dlogits_TE, logits_TE, rstd_T = (t.float().contiguous() for t in (dlogits_TE, logits_TE, rstd_T))
+    dlogits_TE, rstd_T = dlogits_TE.float().contiguous(), rstd_T.float().contiguous()
     (T, D), E, S = x_TD.shape, w_ED.shape[0], seq_len
-    dx_TD = _alloc((T, D), x_TD.dtype, x_TD.device)
     q_TE = _alloc((T, E), x_TD.dtype, x_TD.device)
     if not T:
-        return dx_TD, torch.zeros_like(weight_ED)
+        return _alloc((T, D), x_TD.dtype, x_TD.device), torch.zeros_like(weight_ED)
     cfg = _tiles(E)
-    BS, BD, BE = cfg["BS"], cfg["BD"], cfg["BE"]
-    earlier = _earlier_sums(x_TD, S, BS)
-    B, NC = earlier.shape[:2]
-    f32 = dict(dtype=torch.float32, device=x_TD.device)
-    alpha_T, sums_e, sums_d = _alloc((T,), **f32), _alloc((B, NC, E), **f32), _alloc((B, NC, D), **f32)
-    _alpha_kernel[(B, NC)](dlogits_TE, logits_TE, rstd_T, alpha_T, sums_e, S, D, NC, E=E, BS=BS, BE=BE, num_warps=4)
+    BS, BE = cfg["BS"], cfg["BE"]
+    B, NC = T // S, triton.cdiv(S, BS)
+    sums_e = _alloc((B, NC, E), torch.float32, x_TD.device)
+    _dz_sums_kernel[(B, NC)](dlogits_TE, rstd_T, sums_e, S, NC, E=E, BS=BS, BE=BE, num_warps=4)
     _q_kernel[(B, NC)](dlogits_TE, rstd_T, _scan(sums_e, reverse=True), q_TE, S, NC, E=E, BS=BS, BE=BE, num_warps=4)
-    grid = (B, NC, triton.cdiv(D, BD))
-    _grad_sums_kernel[grid](x_TD, earlier, alpha_T, sums_d, S, D, NC, BS=BS, BD=BD, num_warps=4)
-    _grad_kernel[grid](x_TD, earlier, alpha_T, _scan(sums_d, reverse=True), q_TE, w_ED, dx_TD, S, D, NC, E=E,
-                       PREC=_precision(x_TD), BS=BS, BD=BD, BE=BE, num_warps=cfg["num_warps"])
-    return dx_TD, (q_TE.t() @ x_TD).to(weight_ED.dtype)
+    return q_TE @ w_ED, (q_TE.t() @ x_TD).to(weight_ED.dtype)
