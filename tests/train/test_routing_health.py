@@ -90,7 +90,8 @@ def test_sinkhorn_balance_holds_a_fine_grained_deep_router_at_a_high_constant_le
     routing.balance=sinkhorn solves each expert's offset on the batch: at most 2.1 at any step."""
     corpus, tokenizer = local_text
     history = train(compose_config(*FINE, "model.moe.routing.logit_norm=none", "model.moe.routing.balance=sinkhorn",
-                                   f"data.paths=[{corpus}]", f"data.tokenizer={tokenizer}", f"train.run_dir={tmp_path}"))
+                                   f"data.paths=[{corpus}]", f"data.tokenizer={tokenizer}",
+                                   f"train.run_dir={tmp_path}"))
     worst = {h["step"]: max(h[f"expert_load_max/{layer}"] for layer in range(FINE_LAYERS)) for h in history}
     assert len(worst) == PEAK_STEPS
     assert max(worst.values()) < 2.8, worst
