@@ -58,10 +58,10 @@ class PrefixCentredScores(nn.Module):
 # gradient on x loses only the part of the rms's that is along c (measured at 16 and 40 layers: docs/routing.md,
 # section 3). With it gone the backward is linear in dz: dx = P^T W^T dz = (P^T dz) W and dW = (P^T dz)^T x, two
 # GEMMs and a scan over T x E, where the rms's part needed two more passes over x and a scan over T x D. Saved: x
-# (which the experts keep anyway: the same storage), W and rstd. The ops' names changed with their signatures:
-# torch.compile's caches know a custom op by name, and a cache warmed by earlier ops called one signature with the
-# other's arguments.
-@torch.library.custom_op("sonic::centred_router_logits", mutates_args=())
+# (which the experts keep anyway: the same storage), W and rstd. The ops' names change with their signatures or
+# their autograd: torch.compile's caches know a custom op by name, so a cache warmed by earlier ops replays their
+# graphs (one called the other's backward op, which no longer exists, on an H200).
+@torch.library.custom_op("sonic::centred_router_logits_const_scale", mutates_args=())
 def _centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
     return importlib.import_module(ops).prefix_centred_logits(x_TD, weight_ED, seq_len)
 
