@@ -329,6 +329,11 @@ E2E_1X_TRITON_E3BA90E = "2026-11-25-1xh200-e2e-40L-triton-e3ba90e.json"
 E2E_1X_NOMASTER = {n: f"2026-11-25-1xh200-e2e-40L-nomaster-{n}.json" for n in (1, 2)}
 E2E_1X_TRITON_8F1B5EB = "2026-11-25-1xh200-e2e-40L-triton-8f1b5eb.json"
 E2E_1X_GRADNORM = "2026-11-25-1xh200-e2e-40L-gradnorm.json"
+E2E_1X_LOGITNORM = "2026-11-25-1xh200-e2e-40L-logitnorm.json"
+E2E_1X_CONSTSCALE = "2026-11-25-1xh200-e2e-40L-constscale-1.json"
+E2E_1X_EXACTGRAD = "2026-11-25-1xh200-e2e-40L-exactgrad-2.json"
+CENTRING_GRAD = {"exact": "bench/results/2026-11-25-h200-centring-exactgrad.json",
+                 "constant": "bench/results/2026-11-25-h200-centring-constscale.json"}
 PEER_TITAN_H100 = "bench/results/2026-11-25-h100-peer_titan.jsonl"
 PROFILE_40L = "bench/results/2026-11-25-h200-trainer_profile.json"
 PROFILE_40L_NOW = "bench/results/2026-11-25-h200-trainer_profile-c0ef921.json"
@@ -441,7 +446,15 @@ TABLES = (
               e2e("recipe, one GPU, cute, top-K, the clip's gradient norm in one Triton launch by default "
                   "(`optim.grad_norm=auto`, `8c48750`; one job, this run first)", E2E_1X_GRADNORM, "cute_40L"),
               e2e("`optim.grad_norm=torch`: torch's multi-tensor norm, as before (the same job, second)",
-                  E2E_1X_GRADNORM, "cute_torchnorm_40L"))),
+                  E2E_1X_GRADNORM, "cute_torchnorm_40L"),
+              e2e("recipe, one GPU, cute, top-K, without `routing.logit_norm` (the preset before; `f1f6e93`; one "
+                  "job, this run first)", E2E_1X_LOGITNORM, "cute_40L"),
+              e2e("`model.moe.routing.logit_norm=prefix`, the default since (the same job, second)", E2E_1X_LOGITNORM,
+                  "cute_logitnorm_40L"),
+              e2e("the default, the centring's rescale a constant to autograd (`00fca7f`; one call on another "
+                  "machine, this run first)", E2E_1X_CONSTSCALE, "cute_40L"),
+              e2e("the same configs on `f1f6e93`'s sonic/: the exact gradient (the same call, second, its own "
+                  "compile cache)", E2E_1X_EXACTGRAD, "cute_40L"))),
     Table("peer_titan", first="model", columns=(
         Field("step ms, median", "step_ms"), Field("step ms, best", "step_ms_best"),
         Field("k tokens/s", "tokens_per_s", 1e-3), Ratio("× torchtitan, tokens/s", "tokens_per_s", "tokens_per_s",
@@ -521,18 +534,57 @@ TABLES = (
               ("40 layers, logits standardised per expert", "40L-topk-prefix-logit_normprefix"),
               ("16 layers, today's preset, router weights frozen (diagnosis)", "16L-topk-prefix-freeze_router"))),
           columns=ROUTING_COLUMNS),
+    Table("routing_default", first="run", caption="The same runs (one H200, triton), `routing.logit_norm=prefix` "
+          "with and without the rest: the same config run again on the same routing code (`8b5cc69` and `f1f6e93` "
+          "differ only in tests), with the centring's rescale a constant to autograd (`00fca7f`), with token "
+          "rounding, without the input centring, and with the centring done on the logits without its rescale (a "
+          "scratch wrapper: each file's `scratch_note` says what it changed). The rows from `f1f6e93` and `00fca7f` "
+          "ran in five calls on two machines.",
+          rows=tuple(Row(label, f"bench/results/2026-11-25-h200-routing_health-{file}.json") for label, file in (
+              ("16 layers, input centred, logit norm (the first run above)", "16L-topk-prefix-logit_normprefix"),
+              ("16 layers, the same again", "16L-topk-prefix-logit_normprefix-rerun"),
+              ("16 layers, the rescale constant to autograd", "16L-topk-prefix-logit_normprefix-constscale"),
+              ("16 layers, the rescale constant to autograd, again",
+               "16L-topk-prefix-logit_normprefix-constscale-rerun"),
+              ("40 layers, input centred, logit norm (the first run above)", "40L-topk-prefix-logit_normprefix"),
+              ("40 layers, the same again", "40L-topk-prefix-logit_normprefix-rerun"),
+              ("40 layers, the rescale constant to autograd", "40L-topk-prefix-logit_normprefix-constscale"),
+              ("16 layers, input centred, logit norm, token rounding", "16L-token_rounding-prefix-logit_normprefix"),
+              ("40 layers, input centred, logit norm, token rounding", "40L-token_rounding-prefix-logit_normprefix"),
+              ("16 layers, router reads x, logit norm", "16L-topk-none-logit_normprefix"),
+              ("16 layers, router reads x, logit norm, token rounding", "16L-token_rounding-none-logit_normprefix"),
+              ("40 layers, router reads x, logit norm", "40L-topk-none-logit_normprefix"),
+              ("16 layers, centred logits without the rescale, logit norm (scratch)",
+               "16L-topk-prefix_logits-logit_normprefix"),
+              ("40 layers, the same (scratch)", "40L-topk-prefix_logits-logit_normprefix"),
+              ("40 layers, the same, token rounding (scratch)", "40L-token_rounding-prefix_logits-logit_normprefix"))),
+          columns=(*ROUTING_COLUMNS[:4], Field("mean loss, steps 30-100", "summary.loss_mean_from_step_30", digits=2),
+                   ROUTING_COLUMNS[4])),
+    Table("centring_grad", first="shape (T × D × E), gradient", caption="The router's prefix-centred logits alone "
+          "(`python -m bench.centring`, one H200, one call: `f1f6e93`'s kernels, then `00fca7f`'s): the fused "
+          "Triton path forward and backward, beside the plain linear router's, in ms per call (do_bench median); "
+          "the error is the larger relative error of the logits and dx against the fp64 definition.",
+          rows=tuple(Row(f"{T} × {D} × {E}, {grad}", CENTRING_GRAD[grad], {"T": T, "D": D, "E": E}, "rows")
+                     for T, D, E in ((16384, 1536, 128), (32768, 4096, 128), (32768, 2048, 64))
+                     for grad in ("exact", "constant")),
+          columns=(Field("fwd ms", "configs.0.fwd", digits=3), Field("bwd ms", "configs.0.bwd", digits=3),
+                   Field("linear fwd ms", "linear_fwd", digits=3), Field("linear bwd ms", "linear_bwd", digits=3),
+                   Field("error ×1e3", "configs.0.err", 1e3, digits=1))),
     Table("block_h200", first="config, backend", caption="The MoE block as `sonic_7b` builds it (router with "
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
           "sonic-moe 0.1.2.post1 layer (router included), one H200, one process, seven interleaved rounds "
           "(`bench.moe_block`); × is Sonic over official, from the medians and from each side's best round. "
-          "`+compile` is the block as the trainer runs it (`torch.compile`). The first three rows: the block one "
+          "`+compile` is the block as the trainer runs it (`torch.compile`). The first row: the centring's rescale "
+          "a constant to autograd, its backward a scan and two GEMMs (`00fca7f`, `routing.logit_norm=prefix` on; one "
+          "config, as the official layer's first call costs minutes per config). The next three rows: the block one "
           "compiled graph (`6dc2dbb`; before, the cute experts broke it at a per-call availability check). The next "
           "three: the router's centred logits fused (`183cc8b`), on a machine where the 7B block was host-bound (both sides 5.3–7.4 ms "
           "per f+b, 3.5–4.4 ms in the other calls): its × is no kernel comparison. The next three: the down and dx "
           "kernels in 2-CTA clusters that multicast A, 192-wide ping-pong tiles (`db876d6`); the next six: before, "
           "the centring as one op; in the older rows the bench handed the block a 2-D input, so the "
           "centring read sequences of d tokens, not 4096 (the same work per token; fixed in `c2f35fb`).",
-          rows=tuple(
+          rows=(Row("30B, cute+compile", "bench/results/2026-11-25-h200-moe_block-compiled-constscale.json",
+                    {"config": "30B", "backend": "cute+compile"}),) + tuple(
               Row(f"{config}, cute+compile", f"bench/results/2026-11-25-h200-moe_block-compiled{suffix}.json",
                   {"config": config, "backend": "cute+compile"})
               for suffix in ("-onegraph", "-centring", "") for config in ("7B", "30B", "OLMoE")) + tuple(
