@@ -359,7 +359,8 @@ def main(argv=None):
     ap.add_argument("--run-timeout", type=float, default=None, help="--run: seconds before a run is killed")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDE[,OVERRIDE]",
                     help="--run: also run the first backend with these Hydra overrides (repeatable)")
-    ap.add_argument("--variant-steps", type=int, default=100, help="--run: steps of each variant")
+    ap.add_argument("--variant-steps", type=int, default=None,
+                    help="--run: steps of each variant (default: --steps, so that it averages the base run's steps)")
     ap.add_argument("--metrics", nargs="*", default=[], help="metrics.jsonl of sonic_7b training runs")
     ap.add_argument("--layers", default=str(PAPER_LAYERS), help="--metrics: model.num_layers; --run: comma list")
     ap.add_argument("--skip-steps", type=int, default=20, help="warm-up (compile) steps left out of the means")
@@ -377,7 +378,8 @@ def main(argv=None):
         nproc = args.nproc or torch.cuda.device_count()
         fresh = run_training(layers, args.backends.split(","), args.steps, args.grouped_mm_steps, nproc, args.skip_steps,
                              args.data, args.commit or git_commit(), args.run_timeout,
-                             dict(parse_variant(v) for v in args.variant), args.variant_steps, Path(args.runs_dir))
+                             dict(parse_variant(v) for v in args.variant),
+                             args.steps if args.variant_steps is None else args.variant_steps, Path(args.runs_dir))
         jsons = [p for p in committed if p != fresh] + [fresh]
     elif args.json is not None:
         jsons = [Path(p) for p in args.json]

@@ -233,3 +233,18 @@ def test_reduced_run_trains_three_arms_and_renders(tmp_path):
     drop = next(line for line in text.splitlines() if line.startswith("| token drop"))
     assert "| 2 | 4 |" in drop  # two seeds, four steps
     _png(tmp_path / "tr_reduced.png")
+
+
+def test_e2e_variants_average_the_base_runs_steps_unless_told(tmp_path, monkeypatch):
+    """A variant that ran another number of steps than the base run would average another step range."""
+    seen = []
+
+    def fake_run_training(*args):
+        seen.append(args[10])  # variant_steps
+        return sorted(e2e_throughput.RESULTS.glob("*-e2e-40L*.json"))[0]
+
+    monkeypatch.setattr(e2e_throughput, "run_training", fake_run_training)
+    argv = ["--run", "--steps", "50", "--variant", "x=optim.lr=1e-4", "--out-dir", str(tmp_path)]
+    e2e_throughput.main(argv)
+    e2e_throughput.main([*argv, "--variant-steps", "30"])
+    assert seen == [50, 30]
