@@ -177,8 +177,9 @@ def check_dh_dx_dw(shape, routing, cfgs):
 # on every kernel each applies to: partial n-tiles (d = 384 and 512, N = 192 against 128-, 192- and 256-wide
 # tiles; with a cluster, an odd n-tile count padded to even), rows per expert that are not multiples of the
 # 128-row tile, experts without rows. Each config compiles its kernels (seconds each), so the list stays short:
-# the long-reduction default (co256c2), 192-wide tiles without a cluster, and a padded cluster (pp128c2).
-TILE_CONFIGS = ["pp192", "co256c2", "pp128c2"]
+# the long-reduction default (co256c2), 192-wide tiles without a cluster, a padded cluster (pp128c2), and 256-row
+# tiles (down, dx, dw1; a partial last m-tile of dW1 at 2N = 384) alone and in a cluster.
+TILE_CONFIGS = ["pp192", "co256c2", "pp128c2", "co128m256", "co128m256c2"]
 
 
 @pytest.mark.parametrize("cfg", TILE_CONFIGS)
@@ -205,20 +206,24 @@ def test_every_tile_config(cfg):
 def test_configs_a_kernel_cannot_run_are_refused():
     from sonic.kernels.cute import ops
     for kind, cfg, why in (("up", "co256c2", "only down and dx"), ("dw1", "co192", "power of two"),
-                           ("down", "pp256", "192 columns at most"), ("dx", "co96", "64, 128, 192 or 256")):
+                           ("down", "pp256", "192 columns at most"), ("dx", "co96", "64, 128, 192 or 256"),
+                           ("up", "co128m256", "only down, dx, dw1"), ("dw1", "co256m256", "at most 128 wide"),
+                           ("dx", "pp128m256", "cooperative")):
         with pytest.raises(ValueError, match=why):
             ops.compiled(kind, torch.bfloat16, 512, 256, 8, cfg)
 
 
+# d = 264: one column slice; d = 2056: 257 chunks of 8 over three slices, the last one partial
+@pytest.mark.parametrize("D", [264, 2056])
 @pytest.mark.gpu
 @needs_cute
-def test_gather_sum():
+def test_gather_sum(D):
     from sonic.kernels.cute import ops
     plan = make_plan(1000, 16, 4, "skewed", seed=1)
-    rows = torch.randn(plan.num_rows, 264, device="cuda").bfloat16()
+    rows = torch.randn(plan.num_rows, D, device="cuda").bfloat16()
     for w in (plan.scores_R, None):
         out = ops.gather_sum(rows, plan.token_offsets_T1, plan.rows_by_token_R, w,
-                             out=poisoned(plan.num_tokens, 264))
+                             out=poisoned(plan.num_tokens, D))
         ref = reference.gather_sum(rows, plan, w)
         assert rel_err(out, ref) < 2e-3
 

@@ -1,9 +1,12 @@
 """Per-token gather-sum in CuTe DSL: out_t = sum over token t's rows of (w_r *) rows_r.
 
 This is the aggregation of the forward (O from Y and the scores) and of the backward
-(dX from dX~). One warp owns one token: each lane keeps 8-column fp32 accumulators for its
-16-byte chunks of the row, walks the token's rows in `rows_by_token` order (deterministic,
-no atomics) and stores bf16 once. It is bandwidth-bound: R*D reads and T*D writes.
+(dX from dX~). One warp owns one token's slice of columns: each lane keeps 8-column fp32
+accumulators for its 16-byte chunks of the slice, walks the token's rows in `rows_by_token`
+order (deterministic, no atomics) and stores bf16 once. It is bandwidth-bound: R*D reads
+and T*D writes. Wide rows are split into column slices over the grid's second dimension, so a
+lane holds at most MAX_PER_LANE chunks: at d = 4096 a whole row would take 128 accumulator
+registers per thread and leave too few warps per SM to keep the loads in flight.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from cutlass import Float32, Int32, const_expr
 from sonic.kernels.cute.epilogue import _aligned
 
 WARPS = 4
+MAX_PER_LANE = 4  # 16-byte chunks per lane and column slice: 32 fp32 accumulators
 
 
 class GatherSum:
@@ -22,14 +26,15 @@ class GatherSum:
         self.D = D
         self.weighted = weighted
         self.chunks = D // 8
-        self.per_lane = (self.chunks + 31) // 32
+        self.slices = -(-self.chunks // (32 * MAX_PER_LANE))
+        self.per_lane = -(-self.chunks // (32 * self.slices))  # balanced: 192 chunks -> 2 slices of 3 per lane
 
     @cute.jit
     def __call__(self, mRows: cute.Tensor, mW: cute.Tensor, mTokOff: cute.Tensor,
                  mRowsByTok: cute.Tensor, mOut: cute.Tensor, stream):
         T = mOut.shape[0]
         self.kernel(mRows, mW, mTokOff, mRowsByTok, mOut).launch(
-            grid=((T + WARPS - 1) // WARPS, 1, 1), block=(32 * WARPS, 1, 1), stream=stream)
+            grid=((T + WARPS - 1) // WARPS, self.slices, 1), block=(32 * WARPS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, mRows: cute.Tensor, mW: cute.Tensor, mTokOff: cute.Tensor,
@@ -37,6 +42,7 @@ class GatherSum:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         t = cute.arch.block_idx()[0] * WARPS + warp
+        first = cute.arch.block_idx()[1] * (32 * self.per_lane)  # this slice's first chunk
         if t < mOut.shape[0]:
             acc = cute.make_rmem_tensor((self.per_lane, 8), Float32)
             acc.fill(0.0)
@@ -46,14 +52,14 @@ class GatherSum:
                 if const_expr(self.weighted):
                     w = mW[r].to(Float32)
                 for q in cutlass.range_constexpr(self.per_lane):
-                    ch = lane + 32 * q
+                    ch = first + lane + 32 * q
                     if ch < self.chunks:
                         src = _aligned(cute.local_tile(mRows[r, None], (8,), (ch,)), 16)
                         v = src.load().to(Float32)
                         for e in cutlass.range_constexpr(8):
                             acc[q, e] += w * v[e]
             for q in cutlass.range_constexpr(self.per_lane):
-                ch = lane + 32 * q
+                ch = first + lane + 32 * q
                 if ch < self.chunks:
                     out = cute.make_rmem_tensor((8,), mOut.element_type)
                     for e in cutlass.range_constexpr(8):

@@ -14,8 +14,8 @@ Every SonicMoE matrix product is this kernel with a different operand source and
 Structure (one CTA per SM, 3 warpgroups):
   * warpgroup 0 is the producer: warp 0 issues the TMA loads; with a gathered operand all four
     warps issue 16-byte cp.async row gathers and signal the same mbarrier (arrive.noinc).
-  * warpgroups 1 and 2 are consumers: each owns 64 rows of the 128-row tile, runs wgmma
-    out of the multi-stage shared-memory ring and then the epilogue.
+  * warpgroups 1 and 2 are consumers: each owns 64 rows of the 128-row tile (128 rows of a
+    256-row one), runs wgmma out of the multi-stage shared-memory ring and then the epilogue.
   * the tile scheduler is static and persistent: CTA b takes linear tiles b, b+grid, ...
     For varlen-M the (expert, m-tile) of a linear tile comes from a per-CTA table in shared
     memory, built at kernel start from the device expert offsets: no host sync, and
@@ -65,10 +65,12 @@ class GemmSpec:
         assert self.varlen in ("m", "k")
         assert self.gather in (None, "a", "b")
         assert not (self.varlen == "m" and self.gather == "b")
-        assert self.tile_m == 128 and self.tile_k == 64
+        assert self.tile_m in (128, 256) and self.tile_k == 64
         assert self.tile_n % self.epi_n == 0 and (self.tile_n // self.epi_n) % 2 == 0
         # a ping-pong consumer holds a whole tile: 128 x tile_n fp32 over 128 threads (192 registers at most)
         assert not self.pingpong or self.tile_n <= 192
+        # 256 rows: each cooperative warpgroup owns 128 of them; the row gather of 8 rows per thread assumes 128
+        assert self.tile_m == 128 or (not self.pingpong and self.gather != "a")
         assert self.cluster_n in (1, 2)
         assert self.cluster_n == 1 or (self.varlen == "m" and self.gather is None), "multicast needs TMA-loaded A"
 

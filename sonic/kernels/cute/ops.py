@@ -110,29 +110,35 @@ def _options() -> str:
 
 @dataclass(frozen=True)
 class Config:
-    """Tile configuration of one kernel: output-tile width, consumer schedule, cluster.
+    """Tile configuration of one kernel: output-tile width and height, consumer schedule, cluster.
 
     "co256": cooperative, 128x256 tile split over both consumer warpgroups.
     "pp128": ping-pong, each warpgroup owns alternate 128x128 tiles.
     "pp192c2": ping-pong 128x192 tiles, CTAs in pairs that share (multicast) their A tile; only the
-    kernels whose A is TMA-loaded (down, dx)."""
+    kernels whose A is TMA-loaded (down, dx).
+    "co128m256": cooperative 256x128 tiles, 128 rows per warpgroup; only the kernels whose A is TMA-loaded
+    (down, dx, dw1). Against co256 it moves a tile's loads from B to A: dw1 gathers half the B rows per MMA."""
     tile_n: int
     pingpong: bool
     cluster: int = 1
+    tile_m: int = 128
 
     @staticmethod
     def parse(text: str) -> "Config":
         head = text.removesuffix("c2")
-        if head[:2] not in ("co", "pp") or not head[2:].isdigit():
-            raise ValueError(f"tile config {text!r}: expected co<tile_n> or pp<tile_n>, optionally ending in c2 "
-                             f"(a 2-CTA cluster), e.g. pp128 or pp192c2")
-        return Config(int(head[2:]), head[:2] == "pp", 2 if text.endswith("c2") else 1)
+        head, _, rows = head.partition("m")
+        if head[:2] not in ("co", "pp") or not head[2:].isdigit() or rows not in ("", "256"):
+            raise ValueError(f"tile config {text!r}: expected co<tile_n> or pp<tile_n>, optionally followed by m256 "
+                             f"(256-row tiles) and c2 (a 2-CTA cluster), e.g. pp128, pp192c2 or co128m256c2")
+        return Config(int(head[2:]), head[:2] == "pp", 2 if text.endswith("c2") else 1, int(rows or 128))
 
     def __str__(self) -> str:
-        return f"{'pp' if self.pingpong else 'co'}{self.tile_n}" + ("c2" if self.cluster == 2 else "")
+        return (f"{'pp' if self.pingpong else 'co'}{self.tile_n}" + (f"m{self.tile_m}" if self.tile_m != 128 else "")
+                + ("c2" if self.cluster == 2 else ""))
 
 
 CLUSTERED = ("down", "dx")  # the varlen-M kernels whose A operand is TMA-loaded (multicast in a cluster)
+TALL = ("down", "dx", "dw1")  # the kernels whose A operand is TMA-loaded (256-row tiles)
 
 
 def check_config(kind: str, cfg: Config) -> None:
@@ -146,6 +152,10 @@ def check_config(kind: str, cfg: Config) -> None:
         problem = "dw1 gathers its B tile with 128 threads in rows of tile_n / 8: a power of two"
     elif cfg.cluster > 1 and kind not in CLUSTERED:
         problem = f"clusters (c2) share a TMA-loaded A tile, which only {' and '.join(CLUSTERED)} have; drop the c2"
+    elif cfg.tile_m == 256 and kind not in TALL:
+        problem = f"256-row tiles (m256) need a TMA-loaded A tile, which only {', '.join(TALL)} have; drop the m256"
+    elif cfg.tile_m == 256 and (cfg.pingpong or cfg.tile_n > 128):
+        problem = "256-row tiles are cooperative (co) and at most 128 wide: each warpgroup holds 128 x tile_n"
     if problem:
         raise ValueError(f"tile config {cfg} for the {kind} kernel: {problem}")
 
@@ -156,6 +166,8 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
     check_config(kind, cfg)
     dt = _DTYPES[dtype]
     tile_n, pp = cfg.tile_n, cfg.pingpong
+    # a 256-row tile stages 16-column epilogue sub-tiles: 32 would cost a ring stage of shared memory
+    tall = dict(tile_m=cfg.tile_m, epi_n=16) if cfg.tile_m == 256 else {}
     F = 2 * N
     T, R = _sym(), _sym()
     i32 = cutlass.Int32
@@ -169,7 +181,7 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
         b = _fake(dt, (F, D, E), (D, 1, F * D))
         args = (_fake(dt, (R, F), (F, 1)), _fake(dt, (R, N), (N, 1)))
     elif kind == "down":  # Y = A W2^T
-        spec = GemmSpec("m", None, E, tile_n=tile_n, pingpong=pp, cluster_n=cfg.cluster, num_sms=sms)
+        spec = GemmSpec("m", None, E, tile_n=tile_n, pingpong=pp, cluster_n=cfg.cluster, num_sms=sms, **tall)
         epi = StoreEpilogue()
         a = _fake(dt, (R, N), (N, 1))
         b = _fake(dt, (D, N, E), (N, 1, D * N))
@@ -183,13 +195,13 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
         args = (_fake(dt, (R, F), (F, 1)), _fake(f32, (R,), (1,)), _fake(dt, (R, F), (F, 1)),
                 _fake(dt, (R, N), (N, 1)), _fake(f32, (n_tiles, R), (R, 1)))
     elif kind == "dx":  # dX~ = dH W1
-        spec = GemmSpec("m", None, E, tile_n=tile_n, pingpong=pp, cluster_n=cfg.cluster, num_sms=sms)
+        spec = GemmSpec("m", None, E, tile_n=tile_n, pingpong=pp, cluster_n=cfg.cluster, num_sms=sms, **tall)
         epi = StoreEpilogue()
         a = _fake(dt, (R, F), (F, 1))
         b = _fake(dt, (D, F, E), (1, D, F * D))
         args = (_fake(dt, (R, D), (D, 1)),)
     elif kind == "dw1":  # dW1_e = dH_e^T X[idx_e]   (M = F, N = D, K = rows of e)
-        spec = GemmSpec("k", "b", E, tile_n=tile_n, pingpong=pp, num_sms=sms)
+        spec = GemmSpec("k", "b", E, tile_n=tile_n, pingpong=pp, num_sms=sms, **tall)
         epi = StoreEpilogue()
         a = _fake(dt, (F, R), (1, F))
         b = _fake(dt, (D, T), (1, D))
