@@ -230,22 +230,25 @@ def compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config 
         return _compiled(kind, dtype, D, N, E, cfg, num_sms() if torch.cuda.is_available() else 132)
 
 
-# up, dh, dw1, dw2: fastest on the 7B shape (H200 sweep, bench/results/2026-11-22-h200-cute-7b-sweep.json), and
-# on the 30B and OLMoE shapes since. down and dx, by their reduction length (n, 2n): CTA pairs that multicast A,
-# with ping-pong 192-wide tiles over a short reduction (<= SHORT_K: the epilogue weighs most) and 256-wide
-# cooperative tiles over a long one (H100 sweeps, bench/results/2026-11-25-h100-cute-sweep-{7b,30b,olmoe}.json).
+# up, dh, dw2: fastest on the 7B shape (H200 sweep, bench/results/2026-11-22-h200-cute-7b-sweep.json), and on the
+# 30B and OLMoE shapes since. down and dx, by their reduction length (n, 2n): CTA pairs that multicast A, with
+# ping-pong 192-wide tiles over a short reduction (<= SHORT_K: the epilogue weighs most) and 256-wide cooperative
+# tiles over a long one (H100 sweeps, bench/results/2026-11-25-h100-cute-sweep-{7b,30b,olmoe}.json). dw1: 256-row
+# tiles, 4-6% faster than co256 on the 7B and 30B shapes (H200, bench/results/2026-11-25-h200-cute-sweep-{7b,30b}-m256.json).
 DEFAULTS = {"up": "co256", "down": ("pp192c2", "co256c2"), "dh": "pp128", "dx": ("pp192c2", "co256c2"),
-            "dw1": "co256", "dw2": "co256"}
+            "dw1": "co128m256", "dw2": "co256"}
 SHORT_K = 512
 
 
 @functools.lru_cache(maxsize=None)  # looked up at every launch
 def default_config(kind: str, D: int, N: int) -> Config:
-    """Per-kernel tile configuration; 256-wide cooperative tiles only where they divide N."""
+    """Per-kernel tile configuration; 256-wide (or 256-tall) tiles only where they divide the output."""
     entry = DEFAULTS[kind]
     if isinstance(entry, tuple):  # (short reduction, long reduction)
         entry = entry[0] if {"down": N, "dx": 2 * N}[kind] <= SHORT_K else entry[1]
     cfg = Config.parse(entry)
+    if cfg.tile_m == 256 and 2 * N % 256:  # only dw1's rows (2n) are known before the routing
+        cfg = Config(256, False)
     n_out = {"up": 2 * N, "down": D, "dh": N, "dx": D, "dw1": D, "dw2": N}[kind]
     if cfg.tile_n == 256 and n_out % 256:
         cfg = replace(cfg, tile_n=128)
