@@ -27,6 +27,8 @@
 #   centring   the router's prefix centring alone: fused Triton kernels vs the PyTorch definition and the plain
 #              linear router, fwd and bwd, at sonic_7b's, 30B's and OLMoE's d and E (python -m bench.centring);
 #              $CENTRING_ARGS adds options (e.g. --sweep 32,64,4/64,128,4 for tile configs)
+#   gather_sum the cute gather-sum by chunks per lane and column slice, the measurement behind its default
+#              (python -m bench.gather_sum); $GATHER_SUM_ARGS adds options
 #   fuzz       the fuzzed-shape kernel tests (tests/kernels/test_fuzz_shapes.py) for cute and triton
 #   ep         expert parallelism vs FSDP alone on every visible GPU: sonic_7b cut to $EP_LAYERS layers at
 #              ep=1,2 on local BPE text, then $FIRST_STEP_MODEL cut to $FIRST_STEP_LAYERS at ep=2 on the
@@ -81,6 +83,9 @@ run_stage() {
     centring)
       timeout "${CENTRING_S:-300}" python3 -m bench.centring ${CENTRING_ARGS:-} 2>&1 | grep -v Warning \
         | tee "$OUT/centring.log" | tail -20 ;;
+    gather_sum)
+      timeout "${GATHER_SUM_S:-240}" python3 -m bench.gather_sum ${GATHER_SUM_ARGS:-} 2>&1 | grep -v Warning \
+        | tee "$OUT/gather_sum.log" | tail -12 ;;
     e2e)
       timeout "${E2E_S:-560}" python3 -m scripts.repro.e2e_throughput --run ${E2E_ARGS:-} 2>&1 \
         | grep -v "INFO\] - step" | tee "$OUT/e2e.log" | tail -60 ;;

@@ -213,17 +213,18 @@ def test_configs_a_kernel_cannot_run_are_refused():
             ops.compiled(kind, torch.bfloat16, 512, 256, 8, cfg)
 
 
-# d = 264: one column slice; d = 2056: 257 chunks of 8 over three slices, the last one partial
-@pytest.mark.parametrize("D", [264, 2056])
+# d = 264: one column slice. d = 2056, 257 chunks of 8: the default (weighted: three slices of 3 chunks per lane,
+# the last one partial; unweighted: whole rows), and two chunks per lane (five slices, the last holding one chunk)
+@pytest.mark.parametrize("D,max_per_lane", [(264, None), (2056, None), (2056, 2)])
 @pytest.mark.gpu
 @needs_cute
-def test_gather_sum(D):
+def test_gather_sum(D, max_per_lane):
     from sonic.kernels.cute import ops
     plan = make_plan(1000, 16, 4, "skewed", seed=1)
     rows = torch.randn(plan.num_rows, D, device="cuda").bfloat16()
     for w in (plan.scores_R, None):
         out = ops.gather_sum(rows, plan.token_offsets_T1, plan.rows_by_token_R, w,
-                             out=poisoned(plan.num_tokens, D))
+                             out=poisoned(plan.num_tokens, D), max_per_lane=max_per_lane)
         ref = reference.gather_sum(rows, plan, w)
         assert rel_err(out, ref) < 2e-3
 

@@ -4,9 +4,8 @@ This is the aggregation of the forward (O from Y and the scores) and of the back
 (dX from dX~). One warp owns one token's slice of columns: each lane keeps 8-column fp32
 accumulators for its 16-byte chunks of the slice, walks the token's rows in `rows_by_token`
 order (deterministic, no atomics) and stores bf16 once. It is bandwidth-bound: R*D reads
-and T*D writes. Wide rows are split into column slices over the grid's second dimension, so a
-lane holds at most MAX_PER_LANE chunks: at d = 4096 a whole row would take 128 accumulator
-registers per thread and leave too few warps per SM to keep the loads in flight.
+and T*D writes. Rows can be split into column slices over the grid's second dimension, so that
+a lane holds at most `max_per_lane` chunks; `default_max_per_lane` says when that pays.
 """
 from __future__ import annotations
 
@@ -17,16 +16,24 @@ from cutlass import Float32, Int32, const_expr
 from sonic.kernels.cute.epilogue import _aligned
 
 WARPS = 4
-MAX_PER_LANE = 4  # 16-byte chunks per lane and column slice: 32 fp32 accumulators
+
+
+def default_max_per_lane(D: int, weighted: bool) -> int:
+    """16-byte chunks per lane and column slice, by measurement (H200, `python -m bench.gather_sum`,
+    bench/results/2026-11-25-h200-gather_sum.json). The weighted sum (the forward's O) of rows wider
+    than 2048 runs fastest in slices of 4 chunks per lane: a whole 4096 row takes 128 fp32 accumulators
+    per thread, too few warps per SM hide the score load that every row waits on. The unweighted sum
+    (dX) and narrower rows run fastest whole."""
+    return 4 if weighted and D > 2048 else 16
 
 
 class GatherSum:
-    def __init__(self, D: int, weighted: bool):
-        assert D % 8 == 0
+    def __init__(self, D: int, weighted: bool, max_per_lane: int):
+        assert D % 8 == 0 and max_per_lane >= 1
         self.D = D
         self.weighted = weighted
         self.chunks = D // 8
-        self.slices = -(-self.chunks // (32 * MAX_PER_LANE))
+        self.slices = -(-self.chunks // (32 * max_per_lane))
         self.per_lane = -(-self.chunks // (32 * self.slices))  # balanced: 192 chunks -> 2 slices of 3 per lane
 
     @cute.jit

@@ -30,7 +30,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 from cutlass.runtime import make_fake_stream
 
-from sonic.kernels.cute.aggregate import GatherSum
+from sonic.kernels.cute.aggregate import GatherSum, default_max_per_lane
 from sonic.kernels.cute.epilogue import DSwiGLUEpilogue, StoreEpilogue, SwiGLUEpilogue
 from sonic.kernels.cute.gemm import GemmSpec, GroupedGemm
 
@@ -345,12 +345,12 @@ def dw2(dout_TD: Tensor, ap_RN: Tensor, token_idx_R: Tensor, offsets_E1: Tensor,
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_gather_sum(dtype: torch.dtype, D: int, weighted: bool):
+def _compiled_gather_sum(dtype: torch.dtype, D: int, weighted: bool, max_per_lane: int):
     dt = _DTYPES[dtype]
     T, R = _sym(), _sym()
     return _compile_cached(
-        f"gather_sum/{str(dtype)[6:]}/D{D}/w{int(weighted)}",
-        lambda: cute.compile(GatherSum(D, weighted), _fake(dt, (R, D), (D, 1)),
+        f"gather_sum/{str(dtype)[6:]}/D{D}/w{int(weighted)}/l{max_per_lane}",
+        lambda: cute.compile(GatherSum(D, weighted, max_per_lane), _fake(dt, (R, D), (D, 1)),
                              _fake(cutlass.Float32, (R,), (1,)) if weighted else None,
                              _fake(cutlass.Int32, (_sym(),), (1,)),  # token offsets (T + 1,)
                              _fake(cutlass.Int32, (R,), (1,)), _fake(dt, (T, D), (D, 1)),
@@ -358,14 +358,17 @@ def _compiled_gather_sum(dtype: torch.dtype, D: int, weighted: bool):
 
 
 def gather_sum(rows_RD: Tensor, token_offsets_T1: Tensor, rows_by_token_R: Tensor,
-               weight_R: Tensor | None = None, out: Tensor | None = None) -> Tensor:
-    """out_t = sum over token t's rows (rows_by_token order) of (w_r *) rows_r, fp32 accumulation."""
+               weight_R: Tensor | None = None, out: Tensor | None = None, max_per_lane: int | None = None) -> Tensor:
+    """out_t = sum over token t's rows (rows_by_token order) of (w_r *) rows_r, fp32 accumulation.
+    max_per_lane: 16-byte chunks per lane and column slice (aggregate.default_max_per_lane when None)."""
     R, D = rows_RD.shape
     T = token_offsets_T1.numel() - 1
     out_TD = out if out is not None else rows_RD.new_empty(T, D)
     if T:
+        weighted = weight_R is not None
+        lanes = default_max_per_lane(D, weighted) if max_per_lane is None else max_per_lane
         with _LOCK:
-            fn = _compiled_gather_sum(rows_RD.dtype, D, weight_R is not None)
+            fn = _compiled_gather_sum(rows_RD.dtype, D, weighted, lanes)
         w = None if weight_R is None else weight_R.float().contiguous()
         fn(rows_RD, w, token_offsets_T1, rows_by_token_R, out_TD)
     return out_TD
