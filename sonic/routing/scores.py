@@ -140,8 +140,9 @@ def prefix_centre(x_TD: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
 
 
 def prefix_centre_backward(dc_TD: Tensor, seq_len: int) -> Tensor:
-    """dx of prefix_centre for the gradient dc_TD on c (fp32 or wider): dx_s = g_s - sum_{t>s} g_t / n_t. Any
-    width: the fused backend runs it on T x E (P^T dz), the definition on T x D."""
+    """dx of prefix_centre for the gradient dc_TD on c (fp32 or wider): dx_s = g_s - sum_{t>s} g_t / n_t, at any
+    width (the definition runs it on T x D; the fused backend computes the same map on T x E, P^T dz, in its own
+    Triton kernels)."""
     T, D = dc_TD.shape
     S = seq_len
     acc = torch.promote_types(dc_TD.dtype, torch.float32)
