@@ -574,17 +574,23 @@ TABLES = (
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
           "sonic-moe 0.1.2.post1 layer (router included), one H200, one process, seven interleaved rounds "
           "(`bench.moe_block`); × is Sonic over official, from the medians and from each side's best round. "
-          "`+compile` is the block as the trainer runs it (`torch.compile`). The first row: the centring's rescale "
+          "`+compile` is the block as the trainer runs it (`torch.compile`). The first two rows: the gather-sums in "
+          "column slices of 4 (weighted) and 2 (unweighted) chunks per lane (`f2d5512`); the next two: the dW1 kernel "
+          "in 256-row tiles, both gather-sums in slices of 4 (`7ede030`); only two configs, as the official layer's "
+          "first call costs minutes per config. The next row: the centring's rescale "
           "a constant to autograd, its backward a scan and two GEMMs (`00fca7f`, `routing.logit_norm=prefix` on; one "
-          "config, as the official layer's first call costs minutes per config). The next three rows: the block one "
+          "config). The next three rows: the block one "
           "compiled graph (`6dc2dbb`; before, the cute experts broke it at a per-call availability check). The next "
           "three: the router's centred logits fused (`183cc8b`), on a machine where the 7B block was host-bound (both sides 5.3–7.4 ms "
           "per f+b, 3.5–4.4 ms in the other calls): its × is no kernel comparison. The next three: the down and dx "
           "kernels in 2-CTA clusters that multicast A, 192-wide ping-pong tiles (`db876d6`); the next six: before, "
           "the centring as one op; in the older rows the bench handed the block a 2-D input, so the "
           "centring read sequences of d tokens, not 4096 (the same work per token; fixed in `c2f35fb`).",
-          rows=(Row("30B, cute+compile", "bench/results/2026-11-25-h200-moe_block-compiled-constscale.json",
-                    {"config": "30B", "backend": "cute+compile"}),) + tuple(
+          rows=tuple(Row(f"{config}, cute+compile", f"bench/results/2026-11-25-h200-moe_block-compiled-{suffix}.json",
+                         {"config": config, "backend": "cute+compile"})
+                     for suffix in ("gathersum", "dw1m256") for config in ("30B", "7B")) + (
+              Row("30B, cute+compile", "bench/results/2026-11-25-h200-moe_block-compiled-constscale.json",
+                  {"config": "30B", "backend": "cute+compile"}),) + tuple(
               Row(f"{config}, cute+compile", f"bench/results/2026-11-25-h200-moe_block-compiled{suffix}.json",
                   {"config": config, "backend": "cute+compile"})
               for suffix in ("-onegraph", "-centring", "") for config in ("7B", "30B", "OLMoE")) + tuple(
@@ -597,6 +603,29 @@ TABLES = (
                   ("7B", "7b", "triton"), ("30B", "30b-olmoe", "cute+compile"), ("30B", "30b-olmoe", "cute"),
                   ("OLMoE", "30b-olmoe", "cute+compile"), ("OLMoE", "30b-olmoe", "cute"))),
           columns=BLOCK_COLUMNS),
+    Table("cute_m256", first="shape, kernel", caption="256 x 128 cooperative tiles (`m256`) against each kernel's "
+          "config before, in ms (`python bench/cute_gemm.py --sweep ...`, one H200, `467f5ff`, do_bench medians, "
+          "uniform top-K routing from random logits: a kernel diagnostic). dW1 gathers X as its B operand, and a "
+          "128-wide B tile gathers half the rows per MMA; down and dX~ lose. dW1 now defaults to `co128m256`.",
+          rows=tuple(Row(f"{name}, {kernel}", f"bench/results/2026-11-25-h200-cute-sweep-{file}-m256.json",
+                         {"kernel": kernel}, "rows")
+                     for name, file in (("30B", "30b"), ("7B", "7b")) for kernel in ("dw1", "down", "dx")),
+          columns=(Field("co256 ms", "sweep_ms.co256", digits=3, missing="–"),
+                   Field("pp192c2 ms", "sweep_ms.pp192c2", digits=3, missing="–"),
+                   Field("co256c2 ms", "sweep_ms.co256c2", digits=3, missing="–"),
+                   Field("co128m256 ms", "sweep_ms.co128m256", digits=3, missing="–"),
+                   Field("co128m256c2 ms", "sweep_ms.co128m256c2", digits=3, missing="–"),
+                   Field("cuBLAS ms", "cublas_ms", digits=3))),
+    Table("gather_sum", first="shape, sum", caption="The cute gather-sum by the 16-byte chunks a lane holds per "
+          "column slice (`python -m bench.gather_sum`, one H200, `a521b6d`, do_bench medians with L2 flushed, seven "
+          "interleaved rounds): 16 keeps a 4096-wide row whole, as the kernel did before. Weighted is the forward's "
+          "O (scores times Y rows), unweighted the backward's dX. The default (`aggregate.default_max_per_lane`) is "
+          "the fastest column of each row.",
+          rows=tuple(Row(f"{config}, {'weighted' if w else 'unweighted'}", "bench/results/2026-11-25-h200-gather_sum.json",
+                         {"config": config, "weighted": w})
+                     for config in ("7B", "30B", "OLMoE", "1.4B") for w in (True, False)),
+          columns=(*(Field(f"{c} per lane, ms", f"median_ms.{c}", digits=3) for c in (2, 4, 8, 16)),
+                   Field("fastest", "fastest_cap", digits=0))),
     Table("block_h100", first="config, backend", caption="The same block and official layer on one H100, "
           "compiled as the trainer runs it (`bash bench/gpu.sh block`, the official layer's autotune results "
           "kept per GPU kind). The first three rows: each compiled block one graph (`6dc2dbb`); the next three: the "
