@@ -150,7 +150,7 @@ run_stage() {
             "${extra[@]}" 2>&1 | grep -v Warning | tee "$OUT/routing_health-$tag.log" | tail -30
         done
       done ;;
-    *) echo "unknown stage $1 (smoke | tests | levers | profile | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | fuzz | ep | routing)" >&2
+    *) echo "unknown stage $1 (smoke | tests | levers | profile | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | centring | gather_sum | fuzz | ep | routing)" >&2
        return 2 ;;
   esac
 }
