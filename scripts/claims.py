@@ -560,6 +560,17 @@ TABLES = (
               ("40 layers, the same, token rounding (scratch)", "40L-token_rounding-prefix_logits-logit_normprefix"))),
           columns=(*ROUTING_COLUMNS[:4], Field("mean loss, steps 30-100", "summary.loss_mean_from_step_30", digits=2),
                    ROUTING_COLUMNS[4])),
+    Table("routing_w50", first="run", caption="Issue #25's routing run: the 40-layer `sonic_7b` on the local BPE "
+          "text with `optim.warmup_steps=50` (the peak learning rate at step 50, the cosine down to its floor at step 100; "
+          "the e2e runs average steps 25-50 of the same warm-up), "
+          "(`bash bench/gpu.sh routing` with `ROUTING_LAYERS=40 ROUTING_WARMUP=50`), one H200: before the logit norm "
+          "(`d48eabb`, cute kernels), and with the preset as it is now (`c1cbe12`, triton kernels; the routing "
+          "computes the same either way).",
+          rows=(Row("input centred (the preset before)", "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-w50-cute.json"),
+                Row("input centred, logit norm (the preset now)",
+                    "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-logit_normprefix-w50.json")),
+          columns=(*ROUTING_COLUMNS[:4], Field("mean loss, steps 30-100", "summary.loss_mean_from_step_30", digits=2),
+                   ROUTING_COLUMNS[4])),
     Table("centring_grad", first="shape (T × D × E), gradient", caption="The router's prefix-centred logits alone "
           "(`python -m bench.centring`, one H200, one call: `f1f6e93`'s kernels, then `00fca7f`'s): the fused "
           "Triton path forward and backward, beside the plain linear router's, in ms per call (do_bench median); "
