@@ -561,8 +561,8 @@ TABLES = (
           columns=(*ROUTING_COLUMNS[:4], Field("mean loss, steps 30-100", "summary.loss_mean_from_step_30", digits=2),
                    ROUTING_COLUMNS[4])),
     Table("routing_w50", first="run", caption="Issue #25's routing run: the 40-layer `sonic_7b` on the local BPE "
-          "text with `optim.warmup_steps=50` (the peak learning rate at step 50, the cosine down to its floor at step 100; "
-          "the e2e runs average steps 25-50 of the same warm-up), "
+          "text with `optim.warmup_steps=50` (the peak learning rate at step 50, the cosine down to its floor at step "
+          "100), "
           "(`bash bench/gpu.sh routing` with `ROUTING_LAYERS=40 ROUTING_WARMUP=50`), one H200: before the logit norm "
           "(`d48eabb`, cute kernels), and with the preset as it is now (`c1cbe12`, triton kernels; the routing "
           "computes the same either way).",
