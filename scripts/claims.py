@@ -621,11 +621,8 @@ TABLES = (
           rows=tuple(Row(f"{name}, {kernel}", f"bench/results/2026-11-25-h200-cute-sweep-{file}-m256.json",
                          {"kernel": kernel}, "rows")
                      for name, file in (("30B", "30b"), ("7B", "7b")) for kernel in ("dw1", "down", "dx")),
-          columns=(Field("co256 ms", "sweep_ms.co256", digits=3, missing="–"),
-                   Field("pp192c2 ms", "sweep_ms.pp192c2", digits=3, missing="–"),
-                   Field("co256c2 ms", "sweep_ms.co256c2", digits=3, missing="–"),
-                   Field("co128m256 ms", "sweep_ms.co128m256", digits=3, missing="–"),
-                   Field("co128m256c2 ms", "sweep_ms.co128m256c2", digits=3, missing="–"),
+          columns=(*(Field(f"{c} ms", f"sweep_ms.{c}", digits=3, missing="–")
+                     for c in ("co256", "pp192c2", "co256c2", "co128m256", "co128m256c2")),
                    Field("cuBLAS ms", "cublas_ms", digits=3))),
     Table("gather_sum", first="shape, sum", caption="The cute gather-sum by the 16-byte chunks a lane holds per "
           "column slice (`python -m bench.gather_sum`, one H200, `a521b6d`, do_bench medians with L2 flushed, seven "
