@@ -35,9 +35,12 @@ def gpu_name() -> str:
 
 
 def command_line() -> str:
+    """The command that ran this process: `python -m module ...`, or `python path/to/script.py ...` for a script run
+    by its path (which `-m <its file name>` would not rerun)."""
     main = sys.modules.get("__main__")
-    module = getattr(getattr(main, "__spec__", None), "name", None) or Path(sys.argv[0]).with_suffix("").name
-    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", module] + sys.argv[1:])
+    module = getattr(getattr(main, "__spec__", None), "name", None)
+    head = ["-m", module] if module else [sys.argv[0]]
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *head] + sys.argv[1:])
 
 
 def result_path(what: str, explicit: str | None = None) -> Path:

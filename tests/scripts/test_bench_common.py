@@ -4,6 +4,8 @@ payload's own wins."""
 import json
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +106,21 @@ def test_only_results_under_bench_results_go_back_to_out(tmp_path, monkeypatch):
     common.write_json(results / "2026-01-01-h100-x.json", {"x": 1})
     common.write_json(tmp_path / "elsewhere" / "y.json", {"y": 1})
     assert sorted(p.name for p in out.iterdir()) == ["2026-01-01-h100-x.json"]
+
+
+def test_the_recorded_command_reruns_a_script_by_path_and_a_module_by_name(tmp_path):
+    """A script run by its path is recorded as that path (`python3 bench/cute_gemm.py ...`), not as `-m <file
+    name>`, which would not run; a module keeps its `-m` name."""
+    repo = Path(common.__file__).resolve().parents[1]
+    (tmp_path / "pkg").mkdir()
+    code = "from bench.common import command_line; print(command_line())\n"
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "tool.py").write_text(code)
+    env = {"PYTHONPATH": f"{repo}:{tmp_path}", "PATH": "/usr/bin:/bin"}
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, check=True, env=env,
+                              cwd=tmp_path).stdout.strip()
+
+    assert run("pkg/tool.py", "--shape", "7b").split()[1:] == ["pkg/tool.py", "--shape", "7b"]
+    assert run("-m", "pkg.tool", "--x", "1").split()[1:] == ["-m", "pkg.tool", "--x", "1"]
