@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import time
 from pathlib import Path
 
@@ -40,14 +41,30 @@ def bench(fn, warmup=25, rep=100, what: str = "") -> float:
     return ms
 
 
+def sweep_rounds(cands: list[str], rounds: int, time_fn) -> dict[str, list[float]]:
+    """Per candidate, time_fn(candidate) once per round; round r starts at candidate r (mod their count), so no
+    candidate always runs first, when the GPU's clocks are still settling, or last."""
+    out: dict[str, list[float]] = {c: [] for c in cands}
+    for r in range(rounds):
+        for i in range(len(cands)):
+            c = cands[(r + i) % len(cands)]
+            out[c].append(time_fn(c))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="7b", choices=sorted(SHAPES))
     ap.add_argument("--config", default="", help="per-kernel tile config, e.g. down=pp128,up=co256")
     ap.add_argument("--sweep", default="", help="configs to try per kernel, e.g. up=co256/pp128,dw1=co128/pp128")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="sweep rounds: each times every candidate once, in an order rotated round to round, so "
+                         "clock drift over the sweep reaches every candidate alike; a candidate's time is its median")
     ap.add_argument("--layer", action="store_true", help="also time the whole layer fwd/bwd")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: time each candidate at least once")
 
     from sonic.kernels.cute import ops
     from sonic.routing.plan import plan_from_topk
@@ -119,12 +136,16 @@ def main() -> None:
     chosen = {}
     for name, (launch, flops, mnk) in calls.items():
         cands = sweep.get(name) or [tn.get(name) or str(ops.default_config(name, D, N))]
-        times = {c: bench(lambda: launch(c), what=f"{name}/{c}") for c in cands}
+        rounds = sweep_rounds(cands, args.rounds if len(cands) > 1 else 1,
+                              lambda c: bench(lambda: launch(c), what=f"{name}/{c}"))
+        times = {c: statistics.median(ms) for c, ms in rounds.items()}
         best = min(times, key=times.get)
         chosen[name] = best
         row(name, times[best], flops, cublas(*mnk))
         rows[-1]["config"] = best
         rows[-1]["sweep_ms"] = times
+        if len(cands) > 1:
+            rows[-1]["sweep_rounds_ms"] = rounds
     out = torch.empty(T, D, device=dev, dtype=torch.bfloat16)
     row("gather_sum_fwd", bench(lambda: ops.gather_sum(y, plan.token_offsets_T1, plan.rows_by_token_R,
                                                        plan.scores_R, out=out)),

@@ -1,0 +1,12 @@
+"""bench/cute_gemm.py's sweep order (the script itself needs a Hopper GPU and CuTe DSL)."""
+from bench.cute_gemm import sweep_rounds
+
+
+def test_sweep_rounds_rotate_which_candidate_runs_first():
+    """Each round times every candidate once, starting one later than the round before, so a candidate is not
+    always first (when clocks are still settling): a sweep that timed them in a fixed order favoured the last."""
+    calls = []
+    out = sweep_rounds(["a", "b", "c"], 4, lambda c: calls.append(c) or float(len(calls)))
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert out == {"a": [1.0, 6.0, 8.0, 10.0], "b": [2.0, 4.0, 9.0, 11.0], "c": [3.0, 5.0, 7.0, 12.0]}
+    assert sweep_rounds(["only"], 1, lambda c: 2.5) == {"only": [2.5]}
