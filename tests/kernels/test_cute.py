@@ -177,8 +177,9 @@ def check_dh_dx_dw(shape, routing, cfgs):
 # on every kernel each applies to: partial n-tiles (d = 384 and 512, N = 192 against 128-, 192- and 256-wide
 # tiles; with a cluster, an odd n-tile count padded to even), rows per expert that are not multiples of the
 # 128-row tile, experts without rows. Each config compiles its kernels (seconds each), so the list stays short:
-# the long-reduction default (co256c2), 192-wide tiles without a cluster, a padded cluster (pp128c2), and 256-row
-# tiles (down, dx, dw1; a partial last m-tile of dW1 at 2N = 384) alone and in a cluster.
+# 256-wide cooperative tiles in a cluster (co256c2), 192-wide tiles without a cluster, a padded cluster (pp128c2, the
+# long-reduction default), and 256-row tiles (down, dx, dw1; a partial last m-tile of dW1 at 2N = 384) alone and in a
+# cluster.
 TILE_CONFIGS = ["pp192", "co256c2", "pp128c2", "co128m256", "co128m256c2"]
 
 
@@ -199,6 +200,23 @@ def test_every_tile_config(cfg):
     for shape, routing in ((SHAPES[0], "skewed"), (SHAPES[1], "uniform"), (SHAPES[1], "empty")):
         check_up_and_down_proj(shape, routing, cfgs)
         check_dh_dx_dw(shape, routing, cfgs)
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_every_default_config_fits_its_kernel_on_every_benchmarked_shape():
+    """The defaults chosen by shape (ops.default_config) pass ops.check_config on every Table 9b and real-model
+    shape, so no shape a user benchmarks or trains meets a refusal from a default (nothing compiles here)."""
+    from bench.moe_configs import CONFIGS
+    from sonic.kernels.cute import ops
+
+    for name, (_, D, N, _, _) in CONFIGS.items():
+        for kind in ("up", "down", "dh", "dx", "dw1", "dw2"):
+            cfg = ops.default_config(kind, D, N)
+            ops.check_config(kind, cfg)
+            if kind in ("down", "dx"):  # ping-pong CTA pairs, 192 wide over a short reduction, 128 over a long one
+                assert cfg.pingpong and cfg.cluster == 2, (name, kind, cfg)
+                assert cfg.tile_n == (192 if {"down": N, "dx": 2 * N}[kind] <= ops.SHORT_K else 128), (name, kind)
 
 
 @pytest.mark.gpu

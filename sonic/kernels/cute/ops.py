@@ -231,11 +231,12 @@ def compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config 
 
 
 # up, dh, dw2: fastest on the 7B shape (H200 sweep, bench/results/2026-11-22-h200-cute-7b-sweep.json), and on the
-# 30B and OLMoE shapes since. down and dx, by their reduction length (n, 2n): CTA pairs that multicast A, with
-# ping-pong 192-wide tiles over a short reduction (<= SHORT_K: the epilogue weighs most) and 256-wide cooperative
-# tiles over a long one (H100 sweeps, bench/results/2026-11-25-h100-cute-sweep-{7b,30b,olmoe}.json). dw1: 256-row
-# tiles, 4-6% faster than co256 on the 7B and 30B shapes (H200, bench/results/2026-11-25-h200-cute-sweep-{7b,30b}-m256.json).
-DEFAULTS = {"up": "co256", "down": ("pp192c2", "co256c2"), "dh": "pp128", "dx": ("pp192c2", "co256c2"),
+# 30B and OLMoE shapes since. down and dx, by their reduction length (n, 2n): CTA pairs that multicast A, in ping-pong
+# tiles, 192 wide over a short reduction (<= SHORT_K: the epilogue weighs most), 128 wide over a longer one: 7-11%
+# faster there than the 256-wide cooperative tiles before, on every shape swept (H200, interleaved rounds,
+# bench/results/2026-11-25-h200-cute-sweep-*-{dx-dh,down,down-dx}.json). dw1: 256-row tiles, 4-6% faster than co256
+# on the 7B and 30B shapes (H200, bench/results/2026-11-25-h200-cute-sweep-{7b,30b}-m256.json).
+DEFAULTS = {"up": "co256", "down": ("pp192c2", "pp128c2"), "dh": "pp128", "dx": ("pp192c2", "pp128c2"),
             "dw1": "co128m256", "dw2": "co256"}
 SHORT_K = 512
 
