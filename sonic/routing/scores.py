@@ -45,10 +45,15 @@ class PrefixCentredScores(nn.Module):
     def forward(self, x_TD: Tensor, weight_ED: Tensor, seq_len: int | None = None, ops=None) -> Tensor:
         """seq_len: the length S of the sequences x_TD holds, in order (None: one sequence of T). ops: the routing
         backend module whose prefix_centred_logits[_backward] compute it (None: this module's, the definition)."""
-        T, _ = x_TD.shape
-        S = T if seq_len is None else seq_len
-        assert S > 0 and T % S == 0, (T, S)
+        S = _resolve_seq_len(x_TD.shape[0], seq_len)
         return _centred_logits(x_TD, weight_ED, S, (ops or sys.modules[__name__]).__name__)[0]
+
+
+def _resolve_seq_len(T: int, seq_len: int | None) -> int:
+    """The length of the sequences a (T, .) tensor holds in order: seq_len, or one sequence of T when None."""
+    S = T if seq_len is None else seq_len
+    assert S > 0 and T % S == 0, (T, S)
+    return S
 
 
 # logits = (W c) * rstd, rstd = rsqrt(mean(c^2) + EPS), c = prefix_centre(x), as one op with its own backward op,
@@ -177,10 +182,7 @@ class PrefixStandardisedLogits(nn.Module):
     same sequence, so evaluation routes as training does; no state."""
 
     def forward(self, logits_TE: Tensor, seq_len: int | None = None) -> Tensor:
-        T, E = logits_TE.shape
-        S = T if seq_len is None else seq_len
-        assert S > 0 and T % S == 0, (T, S)
-        return standardise_by_prefix(logits_TE, S)
+        return standardise_by_prefix(logits_TE, _resolve_seq_len(logits_TE.shape[0], seq_len))
 
 
 def standardise_by_prefix(logits_TE: Tensor, seq_len: int) -> Tensor:

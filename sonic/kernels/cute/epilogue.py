@@ -4,8 +4,9 @@ Each consumer thread holds the wgmma fragment ((2, 2, tile_n/8), MMA_M, 1): regi
 i = v0 + 2*v1 + 4*nb + (tile_n/2)*mm sits at tile row r0 + 8*v1 + 64*mm (128*mm in a 256-row
 cooperative tile) and column c0 + v0 + 8*nb, with (r0, c0) the thread's first coordinate
 (MMA_M = 2 when one ping-pong warpgroup owns all 128 rows, or a cooperative one 128 of 256).
-Epilogues read rows and columns from the identity fragment, never from this formula. Registers 2j and 2j+1 are therefore adjacent columns of one
-row, which is what makes the interleaved gate/up SwiGLU layout thread-local.
+Registers 2j and 2j+1 are therefore adjacent columns of one row, which is what makes the
+interleaved gate/up SwiGLU layout thread-local. Epilogues read rows and columns from the
+identity fragment, never from this formula.
 
 An epilogue walks the tile in sub-tiles of `epi_n` columns: it writes bf16 results into a
 padded shared-memory staging tile (conflict-free 32-bit stores), waits on the consumer

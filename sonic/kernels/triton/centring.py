@@ -202,9 +202,9 @@ def prefix_centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: 
     x_TD, w_ED = x_TD.contiguous(), weight_ED.to(x_TD.dtype).contiguous()
     dlogits_TE, rstd_T = dlogits_TE.float().contiguous(), rstd_T.float().contiguous()
     (T, D), E, S = x_TD.shape, w_ED.shape[0], seq_len
-    q_TE = _alloc((T, E), x_TD.dtype, x_TD.device)
     if not T:
         return _alloc((T, D), x_TD.dtype, x_TD.device), torch.zeros_like(weight_ED)
+    q_TE = _alloc((T, E), x_TD.dtype, x_TD.device)
     cfg = _tiles(E)
     BS, BE = cfg["BS"], cfg["BE"]
     B, NC = T // S, triton.cdiv(S, BS)
