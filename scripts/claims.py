@@ -585,7 +585,9 @@ TABLES = (
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
           "sonic-moe 0.1.2.post1 layer (router included), one H200, one process, seven interleaved rounds "
           "(`bench.moe_block`); × is Sonic over official, from the medians and from each side's best round. "
-          "`+compile` is the block as the trainer runs it (`torch.compile`). The first two rows: the gather-sums in "
+          "`+compile` is the block as the trainer runs it (`torch.compile`). The first two rows: the down and dX~ "
+          "kernels over a reduction longer than 512 (dX~ at 30B, both at OLMoE) in 128-wide ping-pong CTA pairs "
+          "(`6b61004`; 256-wide cooperative ones before). The next two: the gather-sums in "
           "column slices of 4 (weighted) and 2 (unweighted) chunks per lane (`f2d5512`); the next two: the dW1 kernel "
           "in 256-row tiles, both gather-sums in slices of 4 (`7ede030`); only two configs, as the official layer's "
           "first call costs minutes per config. The next row: the centring's rescale "
@@ -597,9 +599,11 @@ TABLES = (
           "kernels in 2-CTA clusters that multicast A, 192-wide ping-pong tiles (`db876d6`); the next six: before, "
           "the centring as one op; in the older rows the bench handed the block a 2-D input, so the "
           "centring read sequences of d tokens, not 4096 (the same work per token; fixed in `c2f35fb`).",
-          rows=tuple(Row(f"{config}, cute+compile", f"bench/results/2026-11-25-h200-moe_block-compiled-{suffix}.json",
-                         {"config": config, "backend": "cute+compile"})
-                     for suffix in ("gathersum", "dw1m256") for config in ("30B", "7B")) + (
+          rows=tuple(Row(f"{config}, cute+compile", "bench/results/2026-11-25-h200-moe_block-compiled-pp128c2.json",
+                         {"config": config, "backend": "cute+compile"}) for config in ("30B", "OLMoE")) + tuple(
+              Row(f"{config}, cute+compile", f"bench/results/2026-11-25-h200-moe_block-compiled-{suffix}.json",
+                  {"config": config, "backend": "cute+compile"})
+              for suffix in ("gathersum", "dw1m256") for config in ("30B", "7B")) + (
               Row("30B, cute+compile", "bench/results/2026-11-25-h200-moe_block-compiled-constscale.json",
                   {"config": "30B", "backend": "cute+compile"}),) + tuple(
               Row(f"{config}, cute+compile", f"bench/results/2026-11-25-h200-moe_block-compiled{suffix}.json",
@@ -623,6 +627,22 @@ TABLES = (
                      for name, file in (("30B", "30b"), ("7B", "7b")) for kernel in ("dw1", "down", "dx")),
           columns=(*(Field(f"{c} ms", f"sweep_ms.{c}", digits=3, missing="–")
                      for c in ("co256", "pp192c2", "co256c2", "co128m256", "co128m256c2")),
+                   Field("cuBLAS ms", "cublas_ms", digits=3))),
+    Table("cute_long_k", first="shape, kernel", caption="The down and dX~ kernels' tile configs in ms, three "
+          "rounds each in a rotated order, medians (`python bench/cute_gemm.py --rounds 3 --sweep ...`, one H200, "
+          "`7090159`'s kernels, do_bench, uniform top-K routing from random logits: a kernel diagnostic). The "
+          "reduction is n for down and 2n for dX~; over more than 512 the 128-wide ping-pong pairs (`pp128c2`) are "
+          "the fastest and now the default there (`6b61004`), where 256-wide cooperative pairs (`co256c2`) ran "
+          "before; up to 512, `pp192c2` stays.",
+          rows=tuple(Row(f"{name}, {kernel}", f"bench/results/2026-11-25-h200-cute-sweep-{file}.json",
+                         {"kernel": kernel}, "rows")
+                     for name, file, kernel in (
+                         ("30B (2n 1024)", "30b-dx-dh", "dx"), ("30B (n 512)", "30b-down", "down"),
+                         ("OLMoE (2n 2048)", "olmoe-dx-dh", "dx"), ("OLMoE (n 1024)", "olmoe-down", "down"),
+                         ("7B-E64 (2n 1024)", "7b-n512-down-dx", "dx"), ("7B-E64 (n 512)", "7b-n512-down-dx", "down"),
+                         ("1.4B (2n 512)", "1.4b-down-dx", "dx"), ("7B (2n 512)", "7b-dx-dh", "dx"))),
+          columns=(*(Field(f"{c} ms", f"sweep_ms.{c}", digits=3, missing="–")
+                     for c in ("co256c2", "pp192c2", "pp128c2", "pp192")),
                    Field("cuBLAS ms", "cublas_ms", digits=3))),
     Table("gather_sum", first="shape, sum", caption="The cute gather-sum by the 16-byte chunks a lane holds per "
           "column slice (`python -m bench.gather_sum`, one H200, `a521b6d`, do_bench medians with L2 flushed, seven "
