@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3,
                     help="sweep rounds: each times every candidate once, in an order rotated round to round, so "
                          "clock drift over the sweep reaches every candidate alike; a candidate's time is its median")
+    ap.add_argument("--only", default="", help="time only these kernels, e.g. down,dx (default: all six and the "
+                                               "gather-sums)")
     ap.add_argument("--layer", action="store_true", help="also time the whole layer fwd/bwd")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -133,8 +135,13 @@ def main() -> None:
         "dw2": (lambda c: ops.dw2(dout, ap_, tok, off, E, cfg=c), 2 * R * D * N, (D, N, R)),
     }
     sweep = {k: v.split("/") for k, v in (kv.split("=") for kv in args.sweep.split(",") if kv)}
+    only = set(filter(None, args.only.split(",")))
+    if only - set(calls) - {"gather_sum"}:
+        raise SystemExit(f"--only {args.only!r}: kernels are {', '.join(calls)} and gather_sum")
     chosen = {}
     for name, (launch, flops, mnk) in calls.items():
+        if only and name not in only:
+            continue
         cands = sweep.get(name) or [tn.get(name) or str(ops.default_config(name, D, N))]
         rounds = sweep_rounds(cands, args.rounds if len(cands) > 1 else 1,
                               lambda c: bench(lambda: launch(c), what=f"{name}/{c}"))
@@ -147,11 +154,11 @@ def main() -> None:
         if len(cands) > 1:
             rows[-1]["sweep_rounds_ms"] = rounds
     out = torch.empty(T, D, device=dev, dtype=torch.bfloat16)
-    row("gather_sum_fwd", bench(lambda: ops.gather_sum(y, plan.token_offsets_T1, plan.rows_by_token_R,
-                                                       plan.scores_R, out=out)),
-        0, bytes_=(R + T) * D * 2)
-    row("gather_sum_bwd", bench(lambda: ops.gather_sum(dxt, plan.token_offsets_T1, plan.rows_by_token_R,
-                                                       out=out)), 0, bytes_=(R + T) * D * 2)
+    if not only or "gather_sum" in only:
+        row("gather_sum_fwd", bench(lambda: ops.gather_sum(y, plan.token_offsets_T1, plan.rows_by_token_R,
+                                                           plan.scores_R, out=out)), 0, bytes_=(R + T) * D * 2)
+        row("gather_sum_bwd", bench(lambda: ops.gather_sum(dxt, plan.token_offsets_T1, plan.rows_by_token_R,
+                                                           out=out)), 0, bytes_=(R + T) * D * 2)
 
     layer = {}
     if args.layer:
