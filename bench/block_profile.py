@@ -4,9 +4,10 @@ Per config: the block as bench.moe_block builds and times it (the --model preset
 torch.compile unless --eager) and the official sonic-moe layer on the same inputs, each profiled over --iters
 forward and forward+backward calls after three warm-up calls. Per profiled callable the JSON holds every
 kernel's time per call (summed over its launches), its launch count, the kernels' sum and the wall time per
-call (--iters back-to-back calls, not profiled); on a GPU also where it idles between kernels (bench.common.gpu_gaps,
-over the --iters calls) and whether the host bounds the call (bench.common.host_bound: issue time, syncs). On the CPU (--device cpu, reference
-backend, no official layer) the rows are operators' self CPU time: a smoke test of this script.
+call (--iters back-to-back calls, not profiled); on a GPU also where it idles between kernels
+(bench.common.gpu_gaps, over the --iters calls) and whether the host bounds the call (bench.common.host_bound:
+issue time, syncs). On the CPU (--device cpu, reference backend, no official layer) the rows are operators' self
+CPU time: a smoke test of this script.
 
 Run:   python -m bench.block_profile [--configs 30B,7B] [--backend cute] [--no-official] [--json PATH]
        python -m bench.block_profile --device cpu --shape 64,32,16,4,2
@@ -46,9 +47,10 @@ def kernel_table(fn, leaves, iters: int, cuda: bool) -> dict:
     sync()
     out = {"wall_ms": (time.perf_counter() - t0) * 1e3 / iters, "kernel_ms": sum(k["ms"] for k in kernels),
            "kernels": kernels}
-    if cuda:  # where the wall time beyond the kernels' goes: the GPU idle between them, and whether it waited on the host
-        _, traced = profiled(lambda: [run() for _ in range(iters)], cuda, cpu_too=True)  # its own: host ops add to
-        with tempfile.TemporaryDirectory() as tmp:  # key_averages' device times
+    if cuda:  # where the wall time beyond the kernels' goes: the GPU idle between them, and whether it waited
+        # on the host. A profile of its own: the host ops it records would add to key_averages' device times.
+        _, traced = profiled(lambda: [run() for _ in range(iters)], cuda, cpu_too=True)
+        with tempfile.TemporaryDirectory() as tmp:
             traced.export_chrome_trace(f"{tmp}/trace.json")
             gaps = gpu_gaps(json.loads(Path(tmp, "trace.json").read_text()).get("traceEvents", []), top=8)
         out["gpu_gaps"] = gaps  # over all --iters calls
@@ -109,8 +111,9 @@ def main(argv=None):
             if "gpu_gaps" in rec:
                 g, h = rec["gpu_gaps"], rec["host"]
                 n = args.iters
-                print(f"  GPU idle {g.get('idle_ms', 0) / n:.3f} ms per call ({g.get('idle_host_bound_ms', 0) / n:.3f} waiting "
-                      f"for a launch); the CPU issues a call in {h['issue_ms']:.2f} ms, the GPU ends it at "
+                print(f"  GPU idle {g.get('idle_ms', 0) / n:.3f} ms per call "
+                      f"({g.get('idle_host_bound_ms', 0) / n:.3f} waiting for a launch); "
+                      f"the CPU issues a call in {h['issue_ms']:.2f} ms, the GPU ends it at "
                       f"{h['wall_ms']:.2f}; syncs at {h['syncs']}")
                 for gap in g.get("largest", [])[:4]:
                     print(f"    {gap['ms']:.3f} ms {gap['why']}: {gap['after'][:50]} -> {gap['before'][:50]}")

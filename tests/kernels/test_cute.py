@@ -231,8 +231,9 @@ def test_configs_a_kernel_cannot_run_are_refused():
             ops.compiled(kind, torch.bfloat16, 512, 256, 8, cfg)
 
 
-# d = 264, 33 chunks of 8: one column slice of 2 chunks per lane. d = 2056, 257 chunks: the defaults (weighted: three slices of 3 chunks per lane, the last one partial; unweighted:
-# five slices of 2, the last holding one chunk), and whole rows (one slice of 9 chunks per lane)
+# d = 264, 33 chunks of 8: one column slice of 2 chunks per lane. d = 2056, 257 chunks: the defaults (weighted:
+# three slices of 3 chunks per lane, the last one partial; unweighted: five slices of 2, the last holding one chunk),
+# and whole rows (one slice of 9 chunks per lane)
 @pytest.mark.parametrize("D,max_per_lane", [(264, None), (2056, None), (2056, 16)])
 @pytest.mark.gpu
 @needs_cute
