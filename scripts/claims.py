@@ -287,6 +287,12 @@ ROUTING_COLUMNS = (Field("worst max/mean, steps 30-100", "summary.worst_max_over
                    Field("k tokens/s", "summary.tokens_per_s_per_gpu", 1e-3, missing="–"))
 
 
+def sweep_columns(*configs: str) -> tuple[Field, ...]:
+    """A bench/cute_gemm.py sweep record's columns: each config's ms ("–" where it did not run), then cuBLAS's."""
+    return (*(Field(f"{c} ms", f"sweep_ms.{c}", digits=3, missing="–") for c in configs),
+            Field("cuBLAS ms", "cublas_ms", digits=3))
+
+
 def e2e(label: str, file: str, run: str) -> Row:
     return Row(label, f"bench/results/{file}", {"run": run})
 
@@ -625,9 +631,7 @@ TABLES = (
           rows=tuple(Row(f"{name}, {kernel}", f"bench/results/2026-11-25-h200-cute-sweep-{file}-m256.json",
                          {"kernel": kernel}, "rows")
                      for name, file in (("30B", "30b"), ("7B", "7b")) for kernel in ("dw1", "down", "dx")),
-          columns=(*(Field(f"{c} ms", f"sweep_ms.{c}", digits=3, missing="–")
-                     for c in ("co256", "pp192c2", "co256c2", "co128m256", "co128m256c2")),
-                   Field("cuBLAS ms", "cublas_ms", digits=3))),
+          columns=sweep_columns("co256", "pp192c2", "co256c2", "co128m256", "co128m256c2")),
     Table("cute_long_k", first="shape, kernel", caption="The down and dX~ kernels' tile configs in ms, three "
           "rounds each in a rotated order, medians (`python bench/cute_gemm.py --rounds 3 --sweep ...`, one H200, "
           "`7090159`'s kernels, do_bench, uniform top-K routing from random logits: a kernel diagnostic). The "
@@ -641,9 +645,7 @@ TABLES = (
                          ("OLMoE (2n 2048)", "olmoe-dx-dh", "dx"), ("OLMoE (n 1024)", "olmoe-down", "down"),
                          ("7B-E64 (2n 1024)", "7b-n512-down-dx", "dx"), ("7B-E64 (n 512)", "7b-n512-down-dx", "down"),
                          ("1.4B (2n 512)", "1.4b-down-dx", "dx"), ("7B (2n 512)", "7b-dx-dh", "dx"))),
-          columns=(*(Field(f"{c} ms", f"sweep_ms.{c}", digits=3, missing="–")
-                     for c in ("co256c2", "pp192c2", "pp128c2", "pp192")),
-                   Field("cuBLAS ms", "cublas_ms", digits=3))),
+          columns=sweep_columns("co256c2", "pp192c2", "pp128c2", "pp192")),
     Table("gather_sum", first="shape, sum", caption="The cute gather-sum by the 16-byte chunks a lane holds per "
           "column slice (`python -m bench.gather_sum`, one H200, `a521b6d`, do_bench medians with L2 flushed, seven "
           "interleaved rounds): 16 keeps a 4096-wide row whole, as the kernel did before. Weighted is the forward's "
