@@ -4,13 +4,13 @@ sonic/routing/scores.py) and the plain linear router (routing.input_centring=non
 fused path's error against an fp64 evaluation of the definition.
 
 Per shape T x D x E (bf16 x and W, sequences of --seq-len): median ms of each (do_bench after warm-up).
---sweep adds tile configurations of the fused kernels, BS,BD,num_warps each (positions per tile, features per block,
-warps), beside the default (`centring._tiles`, which depends on E alone): a bounded sweep, since the kernels have no
-autotuner. The sweep stands a config in for `_tiles` while it times it (a benchmark-only substitution; nothing in
+--sweep adds tile configurations of the fused kernels, BS,BD,num_warps[,num_stages] each (positions per tile,
+features per block, warps, and the forward kernel's pipeline depth, Triton's default when left out), beside the
+default (`centring._tiles`, which depends on E alone): a bounded sweep, since the kernels have no autotuner. The sweep stands a config in for `_tiles` while it times it (a benchmark-only substitution; nothing in
 sonic/ reads a config from outside).
 
     python -m bench.centring [--shapes 16384x1536x128,32768x4096x128,32768x2048x64] [--seq-len 4096]
-                             [--sweep 32,64,4/64,128,4] [--profile N] [--json out.json]
+                             [--sweep 32,64,4/64,128,4,3] [--profile N] [--json out.json]
     TRITON_INTERPRET=1 python -m bench.centring --shapes 128x64x16 --seq-len 32   (CPU: a smoke run; no timings)
 
 --profile N adds, per shape, where the default config's time goes: each kernel's mean microseconds per call over N
@@ -54,11 +54,15 @@ def _tiles(centring, cfg: dict | None):
 def _parse_sweep(text: str) -> list[dict]:
     out = []
     for item in filter(None, text.split("/")):
+        values = item.split(",")
         try:
-            bs, bd, warps = (int(v) for v in item.split(","))
+            if len(values) not in (3, 4):
+                raise ValueError
+            cfg = dict(zip(("BS", "BD", "num_warps", "num_stages"), (int(v) for v in values)))
         except ValueError:
-            raise SystemExit(f"--sweep {text!r}: each config is BS,BD,num_warps (e.g. 64,64,4), '/' between them")
-        out.append({"BS": bs, "BD": bd, "num_warps": warps})
+            raise SystemExit(f"--sweep {text!r}: each config is BS,BD,num_warps[,num_stages] (e.g. 64,64,4 or "
+                             "64,64,4,3), '/' between them")
+        out.append(cfg)
     return out
 
 
@@ -112,7 +116,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=SHAPES, help="T x D x E, comma-separated")
     ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--sweep", default="", help="more tile configs: BS,BD,num_warps/...")
+    ap.add_argument("--sweep", default="", help="more tile configs: BS,BD,num_warps[,num_stages]/...")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="profile N calls of each direction per shape")
     ap.add_argument("--json")
     args = ap.parse_args(argv)

@@ -38,8 +38,11 @@ def test_the_bench_times_and_checks_every_config_in_the_interpreter(tmp_path):
 
 
 def test_bad_arguments_are_refused(monkeypatch):
-    with pytest.raises(SystemExit, match="BS,BD,num_warps"):
-        centring._parse_sweep("64,64")
+    for bad in ("64,64", "64,64,4,3,1", "64,64,x"):
+        with pytest.raises(SystemExit, match="BS,BD,num_warps"):
+            centring._parse_sweep(bad)
+    assert centring._parse_sweep("32,64,4/64,64,4,3") == [{"BS": 32, "BD": 64, "num_warps": 4},
+                                                           {"BS": 64, "BD": 64, "num_warps": 4, "num_stages": 3}]
     if not torch.cuda.is_available():
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         with pytest.raises(SystemExit, match="TRITON_INTERPRET=1"):
