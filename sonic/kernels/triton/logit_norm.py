@@ -3,8 +3,8 @@ prefix_standardise[_backward], which define the semantics.
 
 Legend: B sequences of S positions (T = B * S tokens), E experts; a chunk is STAT_CHUNK (L) positions.
 
-  forward   per chunk, the sums of z and z^2 over it (_sums_kernel), then the scan over the chunks (the centring's
-            _scan_kernel): the stats, the sums over each chunk's earlier positions, which the op keeps. Then per
+  forward   per chunk, the sums of z and z^2 over it (_sums_kernel), then the scan over the chunks (centring.py
+            scan_chunks): the stats, the sums over each chunk's earlier positions, which the op keeps. Then per
             chunk, y from the stats plus the sums over the chunk's own earlier positions (a cumsum along the tile).
   backward  per chunk, one position at a time from its stats: rstd, dz = dy * rstd, then z = y / rstd + mu joins
             the sums (scores.py says why the recovered scale is the forward's to a few ulps). The loop is
@@ -19,10 +19,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sonic.kernels.triton.centring import _alloc, _scan
+from sonic.kernels.triton.centring import scan_chunks
 from sonic.routing import scores
 
 L = scores.STAT_CHUNK
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Every buffer a kernel writes is allocated here (tests poison it to catch unwritten output)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _block(E: int) -> int:
@@ -111,7 +116,7 @@ def prefix_standardise(logits_TE: Tensor, seq_len: int) -> tuple[Tensor, Tensor]
     grid = (B, NC, triton.cdiv(E, BE))
     sums = _alloc((B, NC, 2 * E), torch.float32, z_TE.device)
     _sums_kernel[grid](z_TE, sums, S, NC, E=E, L=L, BE=BE, num_warps=4)
-    stats = _scan(sums, reverse=False).view(B, NC, 2, E)
+    stats = scan_chunks(sums, reverse=False).view(B, NC, 2, E)
     _forward_kernel[grid](z_TE, stats, y_TE, S, NC, E=E, L=L, BE=BE, PRIOR=scores.PRIOR_POSITIONS, num_warps=4)
     return y_TE, stats
 
