@@ -23,6 +23,7 @@ from sonic.kernels.triton.centring import scan_chunks
 from sonic.routing import scores
 
 L = scores.STAT_CHUNK
+UNROLL = 8
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -79,23 +80,24 @@ def _forward_kernel(z_ptr, stats_ptr, y_ptr, S, NC, E: tl.constexpr, L: tl.const
 
 @triton.jit
 def _backward_kernel(dy_ptr, y_ptr, stats_ptr, dz_ptr, S, NC, E: tl.constexpr, L: tl.constexpr, BE: tl.constexpr,
-                     PRIOR: tl.constexpr):
+                     PRIOR: tl.constexpr, UNROLL: tl.constexpr):
     seq, chunk, eblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = eblk * BE + tl.arange(0, BE)
     em = e < E
     base = (seq.to(tl.int64) * NC + chunk) * 2 * E
     earlier = tl.load(stats_ptr + base + e, mask=em, other=0.0)
     earlier_sq = tl.load(stats_ptr + base + E + e, mask=em, other=0.0)
-    for j in tl.static_range(L):
-        s = chunk * L + j
-        m = em & (e * 0 + s < S)  # the position broadcast over the block (a scalar mask is not portable)
-        at = (seq.to(tl.int64) * S + s) * E + e
-        y = tl.load(y_ptr + at, mask=m, other=0.0)
-        mean, rstd = _moments(earlier, earlier_sq, s, PRIOR)
-        tl.store(dz_ptr + at, tl.load(dy_ptr + at, mask=m, other=0.0) * rstd, mask=m)
-        z = y / rstd + mean
-        earlier += z
-        earlier_sq += z * z
+    for j0 in range(0, L, UNROLL):  # unrolled by UNROLL: its loads issue together; all of L compiled for 44 s
+        for j in tl.static_range(UNROLL):
+            s = chunk * L + j0 + j
+            m = em & (e * 0 + s < S)  # the position broadcast over the block (a scalar mask is not portable)
+            at = (seq.to(tl.int64) * S + s) * E + e
+            y = tl.load(y_ptr + at, mask=m, other=0.0)
+            mean, rstd = _moments(earlier, earlier_sq, s, PRIOR)
+            tl.store(dz_ptr + at, tl.load(dy_ptr + at, mask=m, other=0.0) * rstd, mask=m)
+            z = y / rstd + mean
+            earlier += z
+            earlier_sq += z * z
 
 
 def _fused(logits_TE: Tensor) -> bool:
@@ -131,5 +133,6 @@ def prefix_standardise_backward(dy_TE: Tensor, y_TE: Tensor, stats: Tensor, seq_
     if T:
         BE = _block(E)
         _backward_kernel[(T // S, triton.cdiv(S, L), triton.cdiv(E, BE))](
-            dy_TE, y_TE, stats, dz_TE, S, stats.shape[1], E=E, L=L, BE=BE, PRIOR=scores.PRIOR_POSITIONS, num_warps=4)
+            dy_TE, y_TE, stats, dz_TE, S, stats.shape[1], E=E, L=L, BE=BE, PRIOR=scores.PRIOR_POSITIONS,
+            UNROLL=UNROLL, num_warps=4)
     return dz_TE
