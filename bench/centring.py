@@ -6,8 +6,9 @@ fused path's error against an fp64 evaluation of the definition.
 Per shape T x D x E (bf16 x and W, sequences of --seq-len): median ms of each (do_bench after warm-up).
 --sweep adds tile configurations of the fused kernels, BS,BD,num_warps[,num_stages] each (positions per tile,
 features per block, warps, and the forward kernel's pipeline depth, Triton's default when left out), beside the
-default (`centring._tiles`, which depends on E alone): a bounded sweep, since the kernels have no autotuner. The sweep stands a config in for `_tiles` while it times it (a benchmark-only substitution; nothing in
-sonic/ reads a config from outside).
+default (`centring._tiles`, which depends on E alone): a bounded sweep, since the kernels have no autotuner. The
+sweep stands a config in for `_tiles` while it times it (a benchmark-only substitution; nothing in sonic/ reads a
+config from outside).
 
     python -m bench.centring [--shapes 16384x1536x128,32768x4096x128,32768x2048x64] [--seq-len 4096]
                              [--sweep 32,64,4/64,128,4,3] [--profile N] [--json out.json]

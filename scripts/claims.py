@@ -572,7 +572,8 @@ TABLES = (
           "(`bash bench/gpu.sh routing` with `ROUTING_LAYERS=40 ROUTING_WARMUP=50`), one H200: before the logit norm "
           "(`d48eabb`, cute kernels), and with the preset as it is now (`c1cbe12`, triton kernels; the routing "
           "computes the same either way).",
-          rows=(Row("input centred (the preset before)", "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-w50-cute.json"),
+          rows=(Row("input centred (the preset before)",
+                    "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-w50-cute.json"),
                 Row("input centred, logit norm (the preset now)",
                     "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-logit_normprefix-w50.json")),
           columns=(*ROUTING_COLUMNS[:4], Field("mean loss, steps 30-100", "summary.loss_mean_from_step_30", digits=2),
@@ -651,8 +652,8 @@ TABLES = (
           "interleaved rounds): 16 keeps a 4096-wide row whole, as the kernel did before. Weighted is the forward's "
           "O (scores times Y rows), unweighted the backward's dX. The default (`aggregate.default_max_per_lane`) is "
           "the fastest column of each row.",
-          rows=tuple(Row(f"{config}, {'weighted' if w else 'unweighted'}", "bench/results/2026-11-25-h200-gather_sum.json",
-                         {"config": config, "weighted": w})
+          rows=tuple(Row(f"{config}, {'weighted' if w else 'unweighted'}",
+                         "bench/results/2026-11-25-h200-gather_sum.json", {"config": config, "weighted": w})
                      for config in ("7B", "30B", "OLMoE", "1.4B") for w in (True, False)),
           columns=(*(Field(f"{c} per lane, ms", f"median_ms.{c}", digits=3) for c in (2, 4, 8, 16)),
                    Field("fastest", "fastest_cap", digits=0))),
