@@ -16,9 +16,10 @@ A backend module exposes `select_topk(logits_TE, bias_E, k, order, renormalize) 
 `route_topk(...same...) -> (TopK, RoutingPlan)` (the selection and the plan of its picks, which the
 fused backend builds in one op), `token_rounding_rows(probs_TE, expert_idx_TK, gates_TK, residual_E, tile,
 mode, rows)` (token rounding's selection, sonic/routing/token_rounding.py), `prefix_centred_logits` and
-`prefix_centred_logits_backward` (routing.input_centring=prefix, sonic/routing/scores.py) and
-`unavailable_reason(device) -> str | None`, with identical results (ties included; the centring's sums to fp32
-rounding).
+`prefix_centred_logits_backward` (routing.input_centring=prefix), `prefix_standardise` and
+`prefix_standardise_backward` (routing.logit_norm=prefix; both pairs in sonic/routing/scores.py) and
+`unavailable_reason(device) -> str | None`, with identical results (ties included; the centring's and the
+logit norm's sums to fp32 rounding).
 """
 from __future__ import annotations
 

@@ -91,9 +91,9 @@ class Router(nn.Module):
 
     def logits(self, x_TD: Tensor, seq_len: int | None = None) -> Tensor:
         """The logits the selection, the gates and the losses read: routing.input_centring, then routing.logit_norm."""
+        ops = self.backend(x_TD.device)
         with torch.autocast(x_TD.device.type, enabled=False):
-            logits_TE = self.scores(x_TD, self.weight_ED.to(x_TD.dtype), seq_len, self.backend(x_TD.device))
-            return self.logit_norm(logits_TE, seq_len)
+            return self.logit_norm(self.scores(x_TD, self.weight_ED.to(x_TD.dtype), seq_len, ops), seq_len, ops)
 
     def selection_bias(self, logits_TE: Tensor) -> Tensor:
         """What the top-K selection adds to logits_TE: the expert bias, plus routing.balance's offset."""

@@ -181,25 +181,121 @@ class PrefixStandardisedLogits(nn.Module):
     per sequence, top-K picks by how far a token stands out for that expert. It reads only earlier positions of the
     same sequence, so evaluation routes as training does; no state."""
 
-    def forward(self, logits_TE: Tensor, seq_len: int | None = None) -> Tensor:
-        return standardise_by_prefix(logits_TE, _resolve_seq_len(logits_TE.shape[0], seq_len))
+    def forward(self, logits_TE: Tensor, seq_len: int | None = None, ops=None) -> Tensor:
+        """ops: the routing backend module whose prefix_standardise[_backward] compute it (None: this module's)."""
+        S = _resolve_seq_len(logits_TE.shape[0], seq_len)
+        return _standardised(logits_TE, S, (ops or sys.modules[__name__]).__name__)[0]
 
 
 def standardise_by_prefix(logits_TE: Tensor, seq_len: int) -> Tensor:
     """The definition of routing.logit_norm=prefix (fp32 or wider): (z_t - mu_t) / sqrt(var_t), per sequence of
     seq_len and expert, mu_t = sum(z_s, s < t) / (t + P), var_t = (sum(z_s^2, s < t) + P) / (t + P) - mu_t^2,
     P = PRIOR_POSITIONS; mu and var carry no gradient."""
-    T, E = logits_TE.shape
-    S = seq_len
-    acc = torch.promote_types(logits_TE.dtype, torch.float32)
-    z_BES = logits_TE.to(acc).view(T // S, S, E).transpose(1, 2)  # positions innermost: the fast scan
+    z_BES = _by_position(logits_TE, seq_len)
     with torch.no_grad():
         earlier = z_BES.cumsum(-1) - z_BES
         earlier_sq = (z_BES * z_BES).cumsum(-1) - z_BES * z_BES
-        n = torch.arange(S, device=logits_TE.device, dtype=acc) + PRIOR_POSITIONS
-        mean = earlier / n
-        rstd = torch.rsqrt(((earlier_sq + PRIOR_POSITIONS) / n - mean * mean).clamp_min(1e-4))
-    return ((z_BES - mean) * rstd).transpose(1, 2).reshape(T, E)
+        mean, rstd = _moments(earlier, earlier_sq, torch.arange(z_BES.shape[-1], device=z_BES.device))
+    return ((z_BES - mean) * rstd).transpose(1, 2).reshape(logits_TE.shape)
+
+
+def _by_position(logits_TE: Tensor, S: int) -> Tensor:
+    """(B, E, S) in fp32 or wider: positions innermost, where a scan is fast."""
+    T, E = logits_TE.shape
+    acc = torch.promote_types(logits_TE.dtype, torch.float32)
+    return logits_TE.to(acc).view(T // S, S, E).transpose(1, 2)
+
+
+def _moments(earlier: Tensor, earlier_sq: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """(mu, rstd) at positions s from the sums of z and z^2 over the earlier positions (positions last)."""
+    n = s.to(earlier.dtype) + PRIOR_POSITIONS
+    mean = earlier / n
+    return mean, torch.rsqrt(((earlier_sq + PRIOR_POSITIONS) / n - mean * mean).clamp_min(1e-4))
+
+
+# routing.logit_norm=prefix as one op with its own backward op, run by the routing backend's
+# prefix_standardise[_backward]. Autograd through plain ops keeps the scale rstd, one more T x E fp32 tensor per
+# layer beside the standardised logits y that the selection keeps for its own backward. The op keeps y instead (the
+# same storage as the selection's) and the sums of z and z^2 over the positions before every STAT_CHUNK-th one
+# (E / STAT_CHUNK values per token); its backward recovers z and so rstd from them, one position at a time:
+# z_t = y_t / rstd_t + mu_t, where mu_t and rstd_t need only the positions before t. In fp32 the recovered scale is
+# the forward's to a few ulps: the recurrence divides each error by the position count, so it does not grow.
+STAT_CHUNK = 64
+
+
+@torch.library.custom_op("sonic::prefix_standardised_logits", mutates_args=())
+def _standardised(logits_TE: Tensor, seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
+    return importlib.import_module(ops).prefix_standardise(logits_TE, seq_len)
+
+
+@_standardised.register_fake
+def _(logits_TE, seq_len, ops):
+    acc = torch.promote_types(logits_TE.dtype, torch.float32)
+    T, E = logits_TE.shape
+    chunks = -(-seq_len // STAT_CHUNK)
+    return logits_TE.new_empty((T, E), dtype=acc), logits_TE.new_empty((T // seq_len, chunks, 2, E), dtype=acc)
+
+
+@torch.library.custom_op("sonic::prefix_standardised_logits_backward", mutates_args=())
+def _standardised_backward(dy_TE: Tensor, y_TE: Tensor, stats: Tensor, seq_len: int, ops: str) -> Tensor:
+    return importlib.import_module(ops).prefix_standardise_backward(dy_TE, y_TE, stats, seq_len)
+
+
+@_standardised_backward.register_fake
+def _(dy_TE, y_TE, stats, seq_len, ops):
+    return torch.empty_like(y_TE)
+
+
+def _setup_standardised(ctx, inputs, output):
+    logits_TE, seq_len, ops = inputs
+    ctx.save_for_backward(*output)
+    ctx.seq_len, ctx.ops, ctx.dtype = seq_len, ops, logits_TE.dtype
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward_standardised(ctx, dy_TE, _dstats):
+    y_TE, stats = ctx.saved_tensors
+    dz_TE = _standardised_backward(dy_TE.contiguous(), y_TE, stats, ctx.seq_len, ctx.ops)
+    return dz_TE.to(ctx.dtype), None, None
+
+
+_standardised.register_autograd(_backward_standardised, setup_context=_setup_standardised)
+
+
+def prefix_standardise(logits_TE: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """(y_TE, stats): y = standardise_by_prefix(logits), the definition, and stats (B, chunks, 2, E), the sums of z
+    and of z^2 over the positions before each chunk of STAT_CHUNK (fp32 or wider, as y)."""
+    z_BES = _by_position(logits_TE, seq_len)
+    earlier = torch.stack([z_BES.cumsum(-1) - z_BES, (z_BES * z_BES).cumsum(-1) - z_BES * z_BES], dim=1)
+    stats = earlier[..., ::STAT_CHUNK].permute(0, 3, 1, 2).contiguous()  # (B, 2, E, chunks) -> (B, chunks, 2, E)
+    mean, rstd = _moments(earlier[:, 0], earlier[:, 1], torch.arange(seq_len, device=logits_TE.device))
+    return ((z_BES - mean) * rstd).transpose(1, 2).reshape(logits_TE.shape), stats
+
+
+def prefix_standardise_backward(dy_TE: Tensor, y_TE: Tensor, stats: Tensor, seq_len: int) -> Tensor:
+    """dz = dy * rstd, with rstd recovered from y and stats (see STAT_CHUNK): every chunk at once, one position of
+    each per step."""
+    T, E = y_TE.shape
+    S, L = seq_len, STAT_CHUNK
+    if T == 0:
+        return torch.empty_like(y_TE)
+    B, C = stats.shape[:2]
+
+    def chunked(t_TE: Tensor) -> Tensor:  # (B, C, L, E), the last chunk padded with zeros
+        t_BSE = t_TE.to(stats.dtype).view(B, S, E)
+        return F.pad(t_BSE, (0, 0, 0, C * L - S)).view(B, C, L, E)
+
+    y, dy = chunked(y_TE), chunked(dy_TE)
+    earlier, earlier_sq = stats[:, :, 0].clone(), stats[:, :, 1].clone()
+    dz = torch.empty_like(y)
+    first = torch.arange(C, device=y.device)[:, None] * L  # (C, 1): each chunk's first position
+    for j in range(L):
+        mean, rstd = _moments(earlier, earlier_sq, first + j)
+        dz[:, :, j] = dy[:, :, j] * rstd
+        z = y[:, :, j] / rstd + mean
+        earlier += z
+        earlier_sq += z * z
+    return dz.view(B, C * L, E)[:, :S].reshape(T, E).to(y_TE.dtype)
 
 
 def build_logit_norm(norm: str) -> nn.Module:
@@ -210,5 +306,5 @@ def build_logit_norm(norm: str) -> nn.Module:
 class _Unnormalised(nn.Module):
     """routing.logit_norm=none."""
 
-    def forward(self, logits_TE: Tensor, seq_len: int | None = None) -> Tensor:
+    def forward(self, logits_TE: Tensor, seq_len: int | None = None, ops=None) -> Tensor:
         return logits_TE

@@ -9,10 +9,10 @@ Selection and gates are separate on purpose: the selection adds the aux-loss-fre
 to the logits, the gates never do (DeepSeek-V3). Ties go to the lower expert index.
 
 This module is the torch routing backend (routing.backend=torch, sonic/routing/backends.py: select_topk,
-route_topk, token_rounding_rows, and the router's prefix_centred_logits[_backward] from sonic/routing/scores.py)
-and defines the semantics; sonic/kernels/triton/routing.py is the fused one. Both give a TopK with the
-statistics the losses need (the full softmax summed over tokens, and the logsumexp per token), so no loss
-makes a second pass over T x E.
+route_topk, token_rounding_rows, and the router's prefix_centred_logits[_backward] and
+prefix_standardise[_backward] from sonic/routing/scores.py) and defines the semantics;
+sonic/kernels/triton/routing.py is the fused one. Both give a TopK with the statistics the losses need (the
+full softmax summed over tokens, and the logsumexp per token), so no loss makes a second pass over T x E.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from sonic.routing.plan import RoutingPlan, TopK, plan_from_topk
-from sonic.routing.scores import prefix_centred_logits, prefix_centred_logits_backward  # noqa: F401 (its centring)
+from sonic.routing.scores import (  # noqa: F401 (its centring and logit norm)
+    prefix_centred_logits, prefix_centred_logits_backward, prefix_standardise, prefix_standardise_backward)
 
 
 def unavailable_reason(device: torch.device) -> str | None:

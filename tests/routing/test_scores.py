@@ -197,3 +197,56 @@ def test_logit_norm_passes_gradients_through_its_scale_only():
     mean = (zB.cumsum(1) - zB) / n
     var = ((zB.square().cumsum(1) - zB.square()) + P) / n - mean.square()
     torch.testing.assert_close(z.grad, (g.view(2, 7, E) / var.sqrt()).view(-1, E))
+
+
+def test_logit_norm_op_recovers_the_scale_over_long_sequences():
+    """The op's backward recovers rstd from the standardised logits and the sums kept every STAT_CHUNK positions,
+    one position at a time: over sequences of many chunks, with a large shared offset and experts of different
+    spreads, its fp32 gradient stays the definition's (computed in fp64) to fp32 rounding, as does its output."""
+    gen = torch.Generator().manual_seed(0)
+    Bl, Sl, El = 2, 40 * scores.STAT_CHUNK + 7, 6
+    z = torch.randn(Bl, Sl, El, generator=gen) * torch.tensor([0.1, 1, 3, 10, 30, 100])
+    z = (z + 50 * torch.randn(Bl, 1, El, generator=gen)).view(-1, El)
+    dy = torch.randn(Bl * Sl, El, generator=gen)
+    z64 = z.double().requires_grad_()
+    y64 = standardise_by_prefix(z64, Sl)
+    (dz64,) = torch.autograd.grad((y64 * dy.double()).sum(), z64)
+    z32 = z.clone().requires_grad_()
+    y32 = scores.PrefixStandardisedLogits()(z32, Sl)
+    (y32 * dy).sum().backward()
+    torch.testing.assert_close(y32.double(), y64, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(z32.grad.double(), dz64, rtol=1e-5, atol=1e-5 * dz64.abs().max().item())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_logit_norm_keeps_only_its_output_for_backward(compiled):
+    """Autograd through the norm's plain ops kept its scale, one T x E fp32 tensor beside the logits the
+    selection keeps: every T x E tensor the op keeps is its output (the storage the selection keeps anyway), the
+    rest is a few sums per STAT_CHUNK positions. Also under torch.compile with the min-cut partitioner."""
+    from functorch.compile import min_cut_rematerialization_partition, nop
+    from torch._dynamo.backends.common import aot_autograd
+
+    Sl = 2 * scores.STAT_CHUNK
+    z = torch.randn(B * Sl, E, requires_grad=True)
+
+    def norm(z):
+        return scores.PrefixStandardisedLogits()(z * 2.0, Sl)
+
+    if compiled:
+        torch._dynamo.reset()
+        backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition)
+        norm = torch.compile(norm, backend=backend, fullgraph=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = norm(z)
+    assert saved, "nothing kept: the hook saw no saved tensor"
+    assert sum(t.numel() for t in saved if t.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()) \
+        <= 2 * B * E * 2, [tuple(t.shape) for t in saved]
+    y.sum().backward()
+    torch.testing.assert_close(z.grad, torch.autograd.grad(standardise_by_prefix(z * 2.0, Sl).sum(), z)[0])
+    torch._dynamo.reset()

@@ -153,7 +153,8 @@ def _q_kernel(dlogits_ptr, rstd_ptr, later_e_ptr, q_ptr, S, NC, E: tl.constexpr,
     tl.store(q_ptr + rows[:, None] * E + e[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
 
 
-def _scan(sums: Tensor, reverse: bool) -> Tensor:
+def scan_chunks(sums: Tensor, reverse: bool) -> Tensor:
+    """(B, chunks, F) per-chunk sums -> per chunk, the sum over the earlier chunks (the later ones with reverse)."""
     B, NC, F = sums.shape
     out = _alloc(sums.shape, torch.float32, sums.device)
     _scan_kernel[(B, triton.cdiv(F, 128))](sums, out, NC, F, REVERSE=reverse, BC=BC, BF=128, num_warps=4)
@@ -166,7 +167,7 @@ def _earlier_sums(x_TD: Tensor, S: int, BS: int) -> Tensor:
     grid = (T // S, triton.cdiv(S, BS), triton.cdiv(D, 64))
     sums = _alloc((grid[0], grid[1], D), torch.float32, x_TD.device)
     _chunk_sums_kernel[grid](x_TD, sums, S, D, grid[1], BS=BS, BD=64, num_warps=4)
-    return _scan(sums, reverse=False)
+    return scan_chunks(sums, reverse=False)
 
 
 def _precision(x_TD: Tensor) -> str:
@@ -210,5 +211,5 @@ def prefix_centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: 
     B, NC = T // S, triton.cdiv(S, BS)
     sums_e = _alloc((B, NC, E), torch.float32, x_TD.device)
     _dz_sums_kernel[(B, NC)](dlogits_TE, rstd_T, sums_e, S, NC, E=E, BS=BS, BE=BE, num_warps=4)
-    _q_kernel[(B, NC)](dlogits_TE, rstd_T, _scan(sums_e, reverse=True), q_TE, S, NC, E=E, BS=BS, BE=BE, num_warps=4)
+    _q_kernel[(B, NC)](dlogits_TE, rstd_T, scan_chunks(sums_e, reverse=True), q_TE, S, NC, E=E, BS=BS, BE=BE, num_warps=4)
     return q_TE @ w_ED, (q_TE.t() @ x_TD).to(weight_ED.dtype)

@@ -17,7 +17,8 @@ rank its pairs within an expert. Rows come out sorted by expert then token, exac
 build_plan's argsort would, with a cost independent of E.
 
 prefix_centred_logits[_backward] (routing.input_centring=prefix): the router's centred logits, in
-sonic/kernels/triton/centring.py. token_rounding_rows (routing.method=token_rounding): the selection's keys
+sonic/kernels/triton/centring.py. prefix_standardise[_backward] (routing.logit_norm=prefix): the logits
+standardised per expert over the earlier positions, in sonic/kernels/triton/logit_norm.py. token_rounding_rows (routing.method=token_rounding): the selection's keys
 and keep kernels, in sonic/kernels/triton/rounding.py.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sonic.kernels.triton.centring import prefix_centred_logits, prefix_centred_logits_backward  # noqa: F401 (its centring)
+from sonic.kernels.triton.logit_norm import prefix_standardise, prefix_standardise_backward  # noqa: F401 (its logit norm)
 from sonic.kernels.triton.rounding import token_rounding_rows  # noqa: F401 (this backend's token-rounding selection)
 from sonic.routing.plan import RoutingPlan, TopK
 
