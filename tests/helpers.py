@@ -152,3 +152,25 @@ def padded_plan_from_topk(expert_idx_TK, gates_TK, num_experts: int, extra: int)
     gate_TE = torch.zeros(T, num_experts, device=gates_TK.device).scatter(1, expert_idx_TK, gates_TK)
     keep_ET = torch.zeros(T, num_experts, dtype=torch.bool, device=gates_TK.device).scatter(1, expert_idx_TK, True)
     return plan_from_mask(keep_ET.T.contiguous(), gate_TE, T * K + extra)
+
+
+def saved_for_backward(fn, *args, compiled: bool):
+    """(fn(*args), the tensors autograd saved for its backward), eagerly or under torch.compile with the min-cut
+    partitioner (inductor's choice of what to save), so a test can see what a layer holds between passes."""
+    import torch
+    from functorch.compile import min_cut_rematerialization_partition, nop
+    from torch._dynamo.backends.common import aot_autograd
+
+    if compiled:
+        torch._dynamo.reset()
+        backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition)
+        fn = torch.compile(fn, backend=backend, fullgraph=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, saved

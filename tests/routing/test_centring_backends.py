@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sonic.routing import scores
-from tests.helpers import run_in_triton_interpreter
+from tests.helpers import run_in_triton_interpreter, saved_for_backward
 
 # (sequences, seq_len, D): one tile; several chunks with a partial last chunk and feature block; tiny
 CASES = [(3, 64, 64), (2, 150, 100), (1, 5, 8), (4, 128, 192)]
@@ -90,28 +90,10 @@ def test_prefix_scores_keep_no_centred_copy_for_backward(compiled):
     experts keep anyway), so the router adds only T-sized and T x E tensors to the block's held memory. Also
     under torch.compile with inductor's partitioner (min-cut), which merged the recompute with the forward's
     c and saved it while the centring was traceable ops."""
-    from functorch.compile import min_cut_rematerialization_partition, nop
-    from torch._dynamo.backends.common import aot_autograd
-
     B, S, D, E = 2, 16, 32, 8
     x = torch.randn(B * S, D, requires_grad=True)
     w = torch.randn(E, D, requires_grad=True)
-
-    def logits(x, w):
-        return scores.PrefixCentredScores()(x, w, S) * 2.0
-
-    if compiled:
-        torch._dynamo.reset()
-        backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition)
-        logits = torch.compile(logits, backend=backend, fullgraph=True)
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = logits(x, w)
+    out, saved = saved_for_backward(lambda x, w: scores.PrefixCentredScores()(x, w, S) * 2.0, x, w, compiled=compiled)
     big = [t for t in saved if t.numel() >= B * S * D]
     assert big and all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in big), \
         [tuple(t.shape) for t in big]

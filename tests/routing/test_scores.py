@@ -11,6 +11,7 @@ from sonic.models.config import MoEConfig
 from sonic.models.moe import MoE
 from sonic.routing import Router, RoutingConfig, scores
 from sonic.routing.scores import PRIOR_POSITIONS, standardise_by_prefix
+from tests.helpers import saved_for_backward
 
 B, S, D, E, K = 3, 12, 16, 8, 2
 
@@ -223,27 +224,9 @@ def test_logit_norm_keeps_only_its_output_for_backward(compiled):
     """Autograd through the norm's plain ops kept its scale, one T x E fp32 tensor beside the logits the
     selection keeps: every T x E tensor the op keeps is its output (the storage the selection keeps anyway), the
     rest is a few sums per STAT_CHUNK positions. Also under torch.compile with the min-cut partitioner."""
-    from functorch.compile import min_cut_rematerialization_partition, nop
-    from torch._dynamo.backends.common import aot_autograd
-
     Sl = 2 * scores.STAT_CHUNK
     z = torch.randn(B * Sl, E, requires_grad=True)
-
-    def norm(z):
-        return scores.PrefixStandardisedLogits()(z * 2.0, Sl)
-
-    if compiled:
-        torch._dynamo.reset()
-        backend = aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition)
-        norm = torch.compile(norm, backend=backend, fullgraph=True)
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = norm(z)
+    y, saved = saved_for_backward(lambda z: scores.PrefixStandardisedLogits()(z * 2.0, Sl), z, compiled=compiled)
     assert saved, "nothing kept: the hook saw no saved tensor"
     assert sum(t.numel() for t in saved if t.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()) \
         <= 2 * B * E * 2, [tuple(t.shape) for t in saved]
