@@ -4,14 +4,16 @@ sonic/routing/scores.py) and the plain linear router (routing.input_centring=non
 fused path's error against an fp64 evaluation of the definition.
 
 Per shape T x D x E (bf16 x and W, sequences of --seq-len): median ms of each (do_bench after warm-up).
---sweep adds tile configurations of the fused kernels, BS,BD,num_warps[,num_stages] each (positions per tile,
-features per block, warps, and the forward kernel's pipeline depth, Triton's default when left out), beside the
-default (`centring._tiles`, which depends on E alone): a bounded sweep, since the kernels have no autotuner. The
-sweep stands a config in for `_tiles` while it times it (a benchmark-only substitution; nothing in sonic/ reads a
-config from outside).
+--sweep adds tile configurations of the fused forward, BS,BD,num_warps[,num_stages] each (positions per chunk,
+features per program of the walk, warps, and the walk's pipeline depth, Triton's default when left out), beside the
+default (`centring._forward_tiles`, which depends on the number of sequences and D): a bounded sweep, since the
+kernels have no autotuner. The sweep stands a config in for `_forward_tiles` while it calls the kernels (a
+benchmark-only substitution; nothing in sonic/ reads a config from outside). Every config's calls alternate within
+each of --rounds rounds, so clock drift reaches them alike (timed one after another, the first config ran while
+the clocks settled); each time is the median over the rounds.
 
     python -m bench.centring [--shapes 16384x1536x128,32768x4096x128,32768x2048x64] [--seq-len 4096]
-                             [--sweep 32,64,4/64,128,4,3] [--profile N] [--json out.json]
+                             [--sweep 32,64,4/64,128,4,3] [--rounds 5] [--profile N] [--json out.json]
     TRITON_INTERPRET=1 python -m bench.centring --shapes 128x64x16 --seq-len 32   (CPU: a smoke run; no timings)
 
 --profile N adds, per shape, where the default config's time goes: each kernel's mean microseconds per call over N
@@ -26,13 +28,15 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import bench_ms, gpu_gaps, kernel_times, profiled, rel_err, result_path, table, write_json
+from bench.common import (bench_ms, gpu_gaps, interleaved_ms, kernel_times, profiled, rel_err, result_path, table,
+                          write_json)
 from sonic.routing import scores
 
 SHAPES = "16384x1536x128,32768x4096x128,32768x2048x64"  # sonic_7b's step (4 x 4096 tokens); 30B's and OLMoE's d, E
@@ -40,16 +44,24 @@ SHAPES = "16384x1536x128,32768x4096x128,32768x2048x64"  # sonic_7b's step (4 x 4
 
 @contextlib.contextmanager
 def _tiles(centring, cfg: dict | None):
-    """The fused kernels' tile config `cfg` (None: their own choice) for the block's duration."""
+    """The fused forward's tile config `cfg` (None: its own choice) for the block's duration."""
     if cfg is None:
         yield
         return
-    own = centring._tiles
-    centring._tiles = lambda E: {**own(E), **cfg}
+    own = centring._forward_tiles
+    centring._forward_tiles = lambda B, D: {**own(B, D), **cfg}
     try:
         yield
     finally:
-        centring._tiles = own
+        centring._forward_tiles = own
+
+
+def _under(centring, cfg: dict | None, fn):
+    """fn, called with the tile config `cfg` standing in."""
+    def call():
+        with _tiles(centring, cfg):
+            return fn()
+    return call
 
 
 def _parse_sweep(text: str) -> list[dict]:
@@ -79,7 +91,8 @@ def profile_calls(fn, calls: int, cuda: bool) -> dict:
                                                                                                   0.0) / calls}
 
 
-def measure(T: int, D: int, E: int, S: int, sweep: list[dict], device: torch.device, profile: int = 0) -> dict:
+def measure(T: int, D: int, E: int, S: int, sweep: list[dict], device: torch.device, profile: int = 0,
+            rounds: int = 5) -> dict:
     from sonic.kernels.triton import centring  # noqa: PLC0415 (Triton: a GPU or its interpreter)
 
     if T % S:
@@ -94,17 +107,21 @@ def measure(T: int, D: int, E: int, S: int, sweep: list[dict], device: torch.dev
     row = {"T": T, "D": D, "E": E, "seq_len": S,
            "definition_fwd": bench_ms(lambda: scores.prefix_centred_logits(x, w, S)),
            "definition_bwd": bench_ms(lambda: scores.prefix_centred_logits_backward(dl, x, w, rstd, S)),
-           "linear_fwd": bench_ms(lambda: F.linear(x, w)),
-           "linear_bwd": bench_ms(lambda: (dl.bfloat16() @ w, dl.bfloat16().t() @ x)),
-           "default": centring._tiles(E), "configs": []}
-    for cfg in [None, *sweep]:
+           "default": {"forward": centring._forward_tiles(T // S, D), "backward": centring._tiles(E)}, "configs": []}
+    fns = {"linear_fwd": lambda: F.linear(x, w), "linear_bwd": lambda: (dl.bfloat16() @ w, dl.bfloat16().t() @ x)}
+    errs = []
+    for i, cfg in enumerate([None, *sweep]):
         with _tiles(centring, cfg):
             got, got_rstd = centring.prefix_centred_logits(x, w, S)
             dx, _ = centring.prefix_centred_logits_backward(dl, x, w, got_rstd, S)
-            err = max(rel_err(got, want), rel_err(dx, want_dx))
-            fwd = bench_ms(lambda: centring.prefix_centred_logits(x, w, S))
-            bwd = bench_ms(lambda: centring.prefix_centred_logits_backward(dl, x, w, got_rstd, S))
-        row["configs"].append({"cfg": cfg or "default", "fwd": fwd, "bwd": bwd, "err": err})
+        errs.append(max(rel_err(got, want), rel_err(dx, want_dx)))
+        fns[f"fwd{i}"] = _under(centring, cfg, lambda: centring.prefix_centred_logits(x, w, S))
+        fns[f"bwd{i}"] = _under(centring, cfg,
+                                lambda r=got_rstd: centring.prefix_centred_logits_backward(dl, x, w, r, S))
+    ms = {name: statistics.median(times) for name, times in interleaved_ms(fns, {}, rounds).items()}
+    row.update(linear_fwd=ms["linear_fwd"], linear_bwd=ms["linear_bwd"])
+    for i, cfg in enumerate([None, *sweep]):
+        row["configs"].append({"cfg": cfg or "default", "fwd": ms[f"fwd{i}"], "bwd": ms[f"bwd{i}"], "err": errs[i]})
     if profile:
         cuda = device.type == "cuda"
         row["profile"] = {"fwd": profile_calls(lambda: centring.prefix_centred_logits(x, w, S), profile, cuda),
@@ -118,6 +135,7 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default=SHAPES, help="T x D x E, comma-separated")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--sweep", default="", help="more tile configs: BS,BD,num_warps[,num_stages]/...")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the alternating timings")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="profile N calls of each direction per shape")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -132,7 +150,7 @@ def main(argv=None) -> None:
             T, D, E = (int(v) for v in shape.split("x"))
         except ValueError:
             raise SystemExit(f"--shapes {shape!r}: expected T x D x E, e.g. 16384x1536x128")
-        rows.append(measure(T, D, E, args.seq_len, sweep, device, args.profile))
+        rows.append(measure(T, D, E, args.seq_len, sweep, device, args.profile, args.rounds))
     path = write_json(result_path("centring", args.json), {
         "what": "the router's prefix-centred logits alone: fused Triton kernels, the PyTorch definition, the plain "
                 "linear router", "units": "ms per call (do_bench median); err: the fused path's relative error "
