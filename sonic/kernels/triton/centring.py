@@ -48,9 +48,10 @@ def _tiles(E: int) -> dict:
 
 
 def _forward_tiles(B: int, D: int) -> dict:
-    """The forward's chunk of positions (BS) and the walk's feature block (BD): narrower blocks when B sequences of
-    D features would give the walk fewer than 256 programs (an H200 has 132 SMs)."""
-    return dict(BS=64, BD=64 if B * D >= 256 * 64 else 32, num_warps=4)
+    """The forward's chunk of positions (BS) and the walk's feature block (BD). The walk has B * D / BD programs,
+    each one chunk's load in flight while it computes the last; at BD = 32 (109 registers at 4 warps for sm_90)
+    an SM holds four. Narrower blocks where that would give fewer than two programs per SM of an H200 (132)."""
+    return dict(BS=64, BD=32 if B * D >= 2 * 132 * 32 else 16, num_warps=4)
 
 
 @triton.jit
@@ -69,6 +70,13 @@ def _dot_exact(a, b):
 
 
 @triton.jit
+def _load_chunk(x_ptr, seq, chunk, S, D, d, dm, BS: tl.constexpr):
+    """x of one chunk's positions (zeros past the sequence's end) and the block's features."""
+    _, rows, sm, _ = _positions(seq, chunk, S, BS)
+    return tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+
+
+@triton.jit
 def _walk_kernel(x_ptr, earlier_ptr, sq_ptr, S, D, NC, NDB, BS: tl.constexpr, BD: tl.constexpr):
     """For one (sequence, feature block), chunk by chunk in order: earlier[seq, chunk, d] = the sum of x over the
     earlier chunks, and sq[t, block] = the sum over the block's features of c_t^2 (c rounded to x's dtype)."""
@@ -78,9 +86,11 @@ def _walk_kernel(x_ptr, earlier_ptr, sq_ptr, S, D, NC, NDB, BS: tl.constexpr, BD
     i = tl.arange(0, BS)
     earlier_pos = (i[None, :] < i[:, None]).to(tl.float32)  # row t sums the tile's positions before t
     carry = tl.zeros((BD,), tl.float32)
+    x_next = _load_chunk(x_ptr, seq, 0, S, D, d, dm, BS)
     for chunk in range(0, NC):
         _, rows, sm, n = _positions(seq, chunk, S, BS)
-        x = tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+        x = x_next
+        x_next = _load_chunk(x_ptr, seq, chunk + 1, S, D, d, dm, BS)  # in flight while this chunk computes
         tl.store(earlier_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, carry, mask=dm)
         c = x.to(tl.float32) - (carry[None, :] + _dot_exact(earlier_pos, x)) / n[:, None]
         c = c.to(x_ptr.dtype.element_ty).to(tl.float32)
