@@ -5,23 +5,20 @@ centred input c never reaches memory.
 c_t = x_t - M_t / n_t, with M_t the sum of the sequence's positions before t and n_t = max(t, 1), rounded to x's
 dtype; logits_t = (W c_t) * rstd_t, rstd_t = rsqrt(mean(c_t^2) + EPS).
 
-The forward splits by linearity: W c_t = z_t - (sum of z_s over s < t) / n_t with z = W x, so the prefix is
-taken over the T x E logits, not over the T x D input; only rstd needs c itself.
-  forward   _walk_kernel: one program per (sequence, block of BD features) walks the sequence's chunks of BS
-            positions in order, carrying the sum of the earlier ones; per chunk it writes that carry (the earlier
-            chunks' sum of x) and each position's sum of c^2 over its features, c rounded to x's dtype as the
-            definition's. The sum over a chunk's earlier positions is a product with a 0/1 triangular matrix on
-            tensor cores (exact products, fp32 sums; tl.cumsum along the rows crossed warps and cost more).
-            z = W x and the earlier chunks' W-sums are two GEMMs (cuBLAS, fp32 out), then _logits_kernel takes
-            each chunk's prefix of z and the rstd. x is read once by the walk and once by the GEMM.
-            (The kernel before it computed W c per chunk tile: every tile read all of W, and it spilled registers;
-            its times are in bench/results/2026-11-25-h200-centring-stages.json.)
+A tile is (sequence, chunk of BS positions) x (block of BD features). Its M is the earlier chunks' sum
+(_chunk_sums_kernel, then _scan_kernel over the chunks) plus the sum over the tile's earlier positions, a
+product with a 0/1 triangular matrix on tensor cores (tl.cumsum along the rows crossed warps and cost most).
+  forward   chunk sums of x, scan; per chunk, over the feature blocks: c, the sum of c^2 and W c (a dot),
+            then the logits. Each chunk reads all of W, so the chunks are as long as the accumulator allows.
   backward  rstd is a constant to autograd (sonic/routing/scores.py says why), so with dz = dlogits * rstd the
             gradient is linear in dz: dx = P^T W^T dz = (P^T dz) W and dW = (P^T dz)^T x, where
             (P^T g)_s = g_s - sum_{t>s} g_t / n_t. q = P^T dz is T x E: the chunk sums of dz / n, a reverse scan,
             then q per chunk; dx and dW are two GEMMs (cuBLAS).
-Sums are fp32 in a fixed order (no atomics): deterministic. The launch configuration depends only on the number of
-sequences, D and E: no autotuning. Where the time goes by kernel: `python -m bench.centring --profile`.
+x is read twice forward and twice backward (by the GEMMs), where materialising c and dc read and wrote eleven
+T x D tensors. Sums are fp32 in a fixed order (no atomics): deterministic. The launch
+configuration depends only on E (64 x 64 tiles, 4 warps at E <= 128: the best of twelve at three shapes on
+an H200, bench/results/2026-11-25-h200-centring_sweep.json, a scratch sweep that `python -m bench.centring
+--sweep` reruns): no autotuning. Where the time goes by kernel: `bench.centring --profile`.
 """
 from __future__ import annotations
 
@@ -41,17 +38,10 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _tiles(E: int) -> dict:
-    """The backward's tiles: positions per tile (BS) and the experts' block (BE), whose (BS, BE) fp32 tile stays at
-    8192 values."""
+    """Positions per tile (BS) and features per block (BD). Every forward tile reads all of W, so W's traffic
+    is E / BS times x's: BS grows as E shrinks, while the (BS, E) fp32 accumulator stays at 8192 values."""
     be = max(16, triton.next_power_of_2(E))
-    return dict(BS=max(16, min(64, 8192 // be)), BE=be, num_warps=4 if be <= 128 else 8)
-
-
-def _forward_tiles(B: int, D: int) -> dict:
-    """The forward's chunk of positions (BS) and the walk's feature block (BD). The walk has B * D / BD programs,
-    each one chunk's load in flight while it computes the last; at BD = 32 (109 registers at 4 warps for sm_90)
-    an SM holds four. Narrower blocks where that would give fewer than two programs per SM of an H200 (132)."""
-    return dict(BS=64, BD=32 if B * D >= 2 * 132 * 32 else 16, num_warps=4)
+    return dict(BS=max(16, min(64, 8192 // be)), BD=64 if be <= 256 else 32, BE=be, num_warps=4 if be <= 128 else 8)
 
 
 @triton.jit
@@ -70,53 +60,28 @@ def _dot_exact(a, b):
 
 
 @triton.jit
-def _load_chunk(x_ptr, seq, chunk, S, D, d, dm, BS: tl.constexpr):
-    """x of one chunk's positions (zeros past the sequence's end) and the block's features."""
-    _, rows, sm, _ = _positions(seq, chunk, S, BS)
-    return tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
-
-
-@triton.jit
-def _walk_kernel(x_ptr, earlier_ptr, sq_ptr, S, D, NC, NDB, BS: tl.constexpr, BD: tl.constexpr):
-    """For one (sequence, feature block), chunk by chunk in order: earlier[seq, chunk, d] = the sum of x over the
-    earlier chunks, and sq[t, block] = the sum over the block's features of c_t^2 (c rounded to x's dtype)."""
-    seq, dblk = tl.program_id(0), tl.program_id(1)
-    d = dblk * BD + tl.arange(0, BD)
+def _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BS: tl.constexpr, BD: tl.constexpr):
+    """c of one (positions, feature block) tile, in x's dtype, and its block of features. The sum over the
+    tile's earlier positions is a product with a 0/1 lower-triangular matrix on tensor cores (exact products,
+    fp32 sums): a scan along the tile's rows crosses warps and was the kernels' largest cost."""
+    d = d0 + tl.arange(0, BD)
     dm = d < D
+    x = tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
     i = tl.arange(0, BS)
-    earlier_pos = (i[None, :] < i[:, None]).to(tl.float32)  # row t sums the tile's positions before t
-    carry = tl.zeros((BD,), tl.float32)
-    x_next = _load_chunk(x_ptr, seq, 0, S, D, d, dm, BS)
-    for chunk in range(0, NC):
-        _, rows, sm, n = _positions(seq, chunk, S, BS)
-        x = x_next
-        x_next = _load_chunk(x_ptr, seq, chunk + 1, S, D, d, dm, BS)  # in flight while this chunk computes
-        tl.store(earlier_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, carry, mask=dm)
-        c = x.to(tl.float32) - (carry[None, :] + _dot_exact(earlier_pos, x)) / n[:, None]
-        c = c.to(x_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(sq_ptr + rows * NDB + dblk, tl.sum(c * c, axis=1), mask=sm)
-        carry += tl.sum(x.to(tl.float32), axis=0)
+    within = _dot_exact((i[None, :] < i[:, None]).to(tl.float32), x)
+    carry = tl.load(earlier_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, mask=dm, other=0.0)
+    c = x.to(tl.float32) - (carry[None, :] + within) / n[:, None]
+    return c.to(x_ptr.dtype.element_ty), d, dm
 
 
 @triton.jit
-def _logits_kernel(z_ptr, earlier_z_ptr, sq_ptr, logits_ptr, rstd_ptr, S, D, NC, NDB, E: tl.constexpr,
-                   EPS: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr):
-    """logits = (z - (the earlier chunks' sum of z + the tile's earlier positions') / n) * rstd for one (sequence,
-    chunk, block of experts), rstd from the walk's sums of c^2."""
-    seq, chunk, eblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    _, rows, sm, n = _positions(seq, chunk, S, BS)
-    e = eblk * BE + tl.arange(0, BE)
-    em = e < E
-    m = sm[:, None] & em[None, :]
-    z = tl.load(z_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
-    earlier = tl.load(earlier_z_ptr + (seq.to(tl.int64) * NC + chunk) * E + e, mask=em, other=0.0)
-    p = tl.arange(0, BP)
-    sq = tl.load(sq_ptr + rows[:, None] * NDB + p[None, :], mask=sm[:, None] & (p < NDB)[None, :], other=0.0)
-    rstd = tl.rsqrt(tl.sum(sq, axis=1) / D + EPS)
-    logits = (z - (earlier[None, :] + tl.cumsum(z, axis=0) - z) / n[:, None]) * rstd[:, None]
-    tl.store(logits_ptr + rows[:, None] * E + e[None, :], logits, mask=m)
-    if eblk == 0:
-        tl.store(rstd_ptr + rows, rstd, mask=sm)
+def _chunk_sums_kernel(x_ptr, sums_ptr, S, D, NC, BS: tl.constexpr, BD: tl.constexpr):
+    """sums[seq, chunk, d] = sum of x over the chunk's positions."""
+    seq, chunk, dblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    _, rows, sm, _ = _positions(seq, chunk, S, BS)
+    d = dblk * BD + tl.arange(0, BD)
+    x = tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=sm[:, None] & (d < D)[None, :], other=0.0)
+    tl.store(sums_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, tl.sum(x.to(tl.float32), axis=0), mask=d < D)
 
 
 @triton.jit
@@ -135,6 +100,26 @@ def _scan_kernel(sums_ptr, out_ptr, NC, F, REVERSE: tl.constexpr, BC: tl.constex
         v = tl.load(sums_ptr + ptrs, mask=m, other=0.0)
         tl.store(out_ptr + ptrs, carry[None, :] + tl.cumsum(v, axis=0) - v, mask=m)
         carry += tl.sum(v, axis=0)
+
+
+@triton.jit
+def _forward_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E: tl.constexpr, EPS: tl.constexpr,
+                    PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+    seq, chunk = tl.program_id(0), tl.program_id(1)
+    _, rows, sm, n = _positions(seq, chunk, S, BS)
+    e = tl.arange(0, BE)
+    em = e < E
+    acc = tl.zeros((BS, BE), tl.float32)
+    sumsq = tl.zeros((BS,), tl.float32)
+    for d0 in range(0, D, BD):
+        c, d, dm = _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BS, BD)
+        cf = c.to(tl.float32)
+        sumsq += tl.sum(cf * cf, axis=1)
+        w = tl.load(w_ptr + e[None, :] * D + d[:, None], mask=dm[:, None] & em[None, :], other=0.0)  # W^T block
+        acc = tl.dot(c, w, acc, input_precision=PREC)
+    rstd = tl.rsqrt(sumsq / D + EPS)
+    tl.store(logits_ptr + rows[:, None] * E + e[None, :], acc * rstd[:, None], mask=sm[:, None] & em[None, :])
+    tl.store(rstd_ptr + rows, rstd, mask=sm)
 
 
 @triton.jit
@@ -176,41 +161,37 @@ def scan_chunks(sums: Tensor, reverse: bool) -> Tensor:
     return out
 
 
+def _earlier_sums(x_TD: Tensor, S: int, BS: int) -> Tensor:
+    """(B, chunks, D): per chunk, the sum of x over the sequence's earlier chunks."""
+    T, D = x_TD.shape
+    grid = (T // S, triton.cdiv(S, BS), triton.cdiv(D, 64))
+    sums = _alloc((grid[0], grid[1], D), torch.float32, x_TD.device)
+    _chunk_sums_kernel[grid](x_TD, sums, S, D, grid[1], BS=BS, BD=64, num_warps=4)
+    return scan_chunks(sums, reverse=False)
+
+
+def _precision(x_TD: Tensor) -> str:
+    return "ieee" if x_TD.dtype == torch.float32 else "tf32"  # fp32: exact products, as the definition's
+
+
 def _fused(x_TD: Tensor) -> bool:
     """fp64 keeps the definition's fp64 sums (the kernels sum in fp32)."""
     return x_TD.dtype != torch.float64
-
-
-def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b summed in fp32 with an fp32 result: 16-bit operands on tensor cores (exact products), fp32 ones in
-    fp32 (cuBLAS rounds them to TF32 only where the user allowed it globally)."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
 
 
 def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
     """sonic.routing.scores.prefix_centred_logits, fused (see the module docstring)."""
     if not _fused(x_TD):
         return scores.prefix_centred_logits(x_TD, weight_ED, seq_len)
-    x_TD, w_ED = x_TD.contiguous(), weight_ED.to(x_TD.dtype).contiguous()
-    (T, D), E, S = x_TD.shape, w_ED.shape[0], seq_len
+    x_TD, weight_ED = x_TD.contiguous(), weight_ED.to(x_TD.dtype).contiguous()
+    (T, D), E, S = x_TD.shape, weight_ED.shape[0], seq_len
     logits_TE = _alloc((T, E), torch.float32, x_TD.device)
     rstd_T = _alloc((T,), torch.float32, x_TD.device)
-    if not T:
-        return logits_TE, rstd_T
-    cfg = _forward_tiles(T // S, D)
-    B, NC, NDB = T // S, triton.cdiv(S, cfg["BS"]), triton.cdiv(D, cfg["BD"])
-    earlier_x = _alloc((B, NC, D), torch.float32, x_TD.device)
-    sq = _alloc((T, NDB), torch.float32, x_TD.device)
-    _walk_kernel[(B, NDB)](x_TD, earlier_x, sq, S, D, NC, NDB, **cfg)
-    # the same rounded W in both products, so that z's share from the earlier positions cancels
-    z_TE = _mm_fp32(x_TD, w_ED.t())
-    earlier_z = earlier_x.view(B * NC, D) @ w_ED.float().t()
-    BE = min(128, max(16, triton.next_power_of_2(E)))
-    _logits_kernel[(B, NC, triton.cdiv(E, BE))](z_TE, earlier_z, sq, logits_TE, rstd_T, S, D, NC, NDB, E=E,
-                                                EPS=scores.EPS, BS=cfg["BS"], BE=BE,
-                                                BP=max(16, triton.next_power_of_2(NDB)), num_warps=4)
+    if T:
+        cfg = _tiles(E)
+        earlier = _earlier_sums(x_TD, S, cfg["BS"])
+        _forward_kernel[(T // S, earlier.shape[1])](x_TD, weight_ED, earlier, logits_TE, rstd_T, S, D, earlier.shape[1],
+                                                    E=E, EPS=scores.EPS, PREC=_precision(x_TD), **cfg)
     return logits_TE, rstd_T
 
 
@@ -230,6 +211,5 @@ def prefix_centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: 
     B, NC = T // S, triton.cdiv(S, BS)
     sums_e = _alloc((B, NC, E), torch.float32, x_TD.device)
     _dz_sums_kernel[(B, NC)](dlogits_TE, rstd_T, sums_e, S, NC, E=E, BS=BS, BE=BE, num_warps=4)
-    _q_kernel[(B, NC)](dlogits_TE, rstd_T, scan_chunks(sums_e, reverse=True), q_TE, S, NC, E=E, BS=BS, BE=BE,
-                       num_warps=4)
+    _q_kernel[(B, NC)](dlogits_TE, rstd_T, scan_chunks(sums_e, reverse=True), q_TE, S, NC, E=E, BS=BS, BE=BE, num_warps=4)
     return q_TE @ w_ED, (q_TE.t() @ x_TD).to(weight_ED.dtype)
