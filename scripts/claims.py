@@ -592,7 +592,9 @@ TABLES = (
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
           "sonic-moe 0.1.2.post1 layer (router included), one H200, one process, seven interleaved rounds "
           "(`bench.moe_block`); × is Sonic over official, from the medians and from each side's best round. "
-          "`+compile` is the block as the trainer runs it (`torch.compile`). The first two rows: the down and dX~ "
+          "`+compile` is the block as the trainer runs it (`torch.compile`). The first five rows: the logit norm as "
+          "one op that keeps no T × E scale for its backward (`5b59ff0`), three calls on one machine. The next two: "
+          "the down and dX~ "
           "kernels over a reduction longer than 512 (dX~ at 30B, both at OLMoE) in 128-wide ping-pong CTA pairs "
           "(`6b61004`; 256-wide cooperative ones before). The next two: the gather-sums in "
           "column slices of 4 (weighted) and 2 (unweighted) chunks per lane (`f2d5512`); the next two: the dW1 kernel "
@@ -606,8 +608,13 @@ TABLES = (
           "kernels in 2-CTA clusters that multicast A, 192-wide ping-pong tiles (`db876d6`); the next six: before, "
           "the centring as one op; in the older rows the bench handed the block a 2-D input, so the "
           "centring read sequences of d tokens, not 4096 (the same work per token; fixed in `c2f35fb`).",
-          rows=tuple(Row(f"{config}, cute+compile", "bench/results/2026-11-25-h200-moe_block-compiled-pp128c2.json",
-                         {"config": config, "backend": "cute+compile"}) for config in ("30B", "OLMoE")) + tuple(
+          rows=tuple(Row(f"{config}, cute+compile",
+                         f"bench/results/2026-11-25-h200-moe_block-compiled-lnop{suffix}.json",
+                         {"config": config, "backend": "cute+compile"})
+                     for config, suffix in (("7B", "-7b"), ("1.4B", "-1.4b-qwen3next"), ("30B", ""), ("OLMoE", ""),
+                                            ("Qwen3-Next", "-1.4b-qwen3next"))) + tuple(
+              Row(f"{config}, cute+compile", "bench/results/2026-11-25-h200-moe_block-compiled-pp128c2.json",
+                  {"config": config, "backend": "cute+compile"}) for config in ("30B", "OLMoE")) + tuple(
               Row(f"{config}, cute+compile", f"bench/results/2026-11-25-h200-moe_block-compiled-{suffix}.json",
                   {"config": config, "backend": "cute+compile"})
               for suffix in ("gathersum", "dw1m256") for config in ("30B", "7B")) + (
