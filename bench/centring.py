@@ -4,13 +4,13 @@ sonic/routing/scores.py) and the plain linear router (routing.input_centring=non
 fused path's error against an fp64 evaluation of the definition.
 
 Per shape T x D x E (bf16 x and W, sequences of --seq-len): median ms of each (do_bench after warm-up).
---sweep adds tile configurations of the fused kernels, BS,BD,num_warps[,num_stages] each (positions per tile,
-features per block, warps, and the forward kernel's pipeline depth, Triton's default when left out), beside the
-default (`centring._tiles`, which depends on E alone): a bounded sweep, since the kernels have no autotuner. The
-sweep stands a config in for `_tiles` while it calls the kernels (a benchmark-only substitution; nothing in sonic/
-reads a config from outside). Every config's calls alternate within each of --rounds rounds, so clock drift
-reaches them alike (timed one after another, the first config ran while the clocks settled); each time is the
-median over the rounds.
+--sweep adds tile configurations of the fused forward, BS,BD,num_warps[,num_stages] each (positions per chunk,
+features per block and warps of the sums and rstd kernels, and the rstd kernel's pipeline depth, Triton's default
+when left out), beside the default (`centring._forward_tiles`): a bounded sweep, since the kernels have no
+autotuner. The sweep stands a config in for `_forward_tiles` while it calls the kernels (a benchmark-only
+substitution; nothing in sonic/ reads a config from outside). Every config's calls alternate within each of
+--rounds rounds, so clock drift reaches them alike (timed one after another, the first config ran while the
+clocks settled); each time is the median over the rounds.
 
     python -m bench.centring [--shapes 16384x1536x128,32768x4096x128,32768x2048x64] [--seq-len 4096]
                              [--sweep 32,64,4/64,128,4,3] [--rounds 5] [--profile N] [--json out.json]
@@ -44,16 +44,16 @@ SHAPES = "16384x1536x128,32768x4096x128,32768x2048x64"  # sonic_7b's step (4 x 4
 
 @contextlib.contextmanager
 def _tiles(centring, cfg: dict | None):
-    """The fused kernels' tile config `cfg` (None: their own choice) for the block's duration."""
+    """The fused forward's tile config `cfg` (None: its own choice) for the block's duration."""
     if cfg is None:
         yield
         return
-    own = centring._tiles
-    centring._tiles = lambda E: {**own(E), **cfg}
+    own = centring._forward_tiles
+    centring._forward_tiles = lambda: {**own(), **cfg}
     try:
         yield
     finally:
-        centring._tiles = own
+        centring._forward_tiles = own
 
 
 def _under(centring, cfg: dict | None, fn):
@@ -107,7 +107,7 @@ def measure(T: int, D: int, E: int, S: int, sweep: list[dict], device: torch.dev
     row = {"T": T, "D": D, "E": E, "seq_len": S,
            "definition_fwd": bench_ms(lambda: scores.prefix_centred_logits(x, w, S)),
            "definition_bwd": bench_ms(lambda: scores.prefix_centred_logits_backward(dl, x, w, rstd, S)),
-           "default": centring._tiles(E), "configs": []}
+           "default": {"forward": centring._forward_tiles(), "backward": centring._tiles(E)}, "configs": []}
     fns = {"linear_fwd": lambda: F.linear(x, w), "linear_bwd": lambda: (dl.bfloat16() @ w, dl.bfloat16().t() @ x)}
     errs = []
     for i, cfg in enumerate([None, *sweep]):

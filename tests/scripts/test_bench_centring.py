@@ -20,7 +20,7 @@ def _run_and_check(out: str) -> None:
     assert [(row["T"], row["D"], row["E"]) for row in r["rows"]] == [(128, 64, 16), (64, 32, 8)]
     for row in r["rows"]:
         assert [c["cfg"] for c in row["configs"]] == ["default", {"BS": 16, "BD": 32, "num_warps": 4}]
-        assert row["default"]["BE"] >= row["E"]  # the experts, padded to a power of two
+        assert row["default"]["backward"]["BE"] >= row["E"]  # the experts, padded to a power of two
         for c in row["configs"]:
             assert c["fwd"] > 0 and c["bwd"] > 0 and 0 < c["err"] < 1e-2  # bf16's rounding of c, not a wrong sum
         for way in ("fwd", "bwd"):  # on the CPU the host ops' times (dW's product among them), on a GPU kernels'

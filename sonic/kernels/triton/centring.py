@@ -5,20 +5,29 @@ centred input c never reaches memory.
 c_t = x_t - M_t / n_t, with M_t the sum of the sequence's positions before t and n_t = max(t, 1), rounded to x's
 dtype; logits_t = (W c_t) * rstd_t, rstd_t = rsqrt(mean(c_t^2) + EPS).
 
-A tile is (sequence, chunk of BS positions) x (block of BD features). Its M is the earlier chunks' sum
-(_chunk_sums_kernel, then _scan_kernel over the chunks) plus the sum over the tile's earlier positions, a
-product with a 0/1 triangular matrix on tensor cores (tl.cumsum along the rows crossed warps and cost most).
-  forward   chunk sums of x, scan; per chunk, over the feature blocks: c, the sum of c^2 and W c (a dot),
-            then the logits. Each chunk reads all of W, so the chunks are as long as the accumulator allows.
+The forward splits by linearity: W c_t = z_t - (sum of z_s over s < t) / n_t with z = W x, so W meets x in one
+GEMM and the prefix is taken over the T x E logits; only rstd needs c itself. A tile is (sequence, chunk of BS
+positions) x (block of BD features) or (block of experts); the chunks are independent, so every kernel's
+programs run in parallel.
+  forward   chunk sums of x and their scan give each chunk's earlier sum (B x chunks x D, fp32); per chunk, c over
+            the feature blocks and its sum of squares give rstd (_rstd_kernel: the sum over the tile's earlier
+            positions is a product with a 0/1 lower-triangular matrix on tensor cores, exact products and fp32
+            sums; tl.cumsum along the rows crossed warps and cost more). z = W x and W times the earlier sums are
+            cuBLAS GEMMs with fp32 results, in the same rounded W so that the earlier positions' share cancels; then
+            per chunk and block of experts, the logits (_logits_kernel). c is rounded to x's dtype for rstd, as in
+            the definition; the logits use it unrounded (closer to the fp64 definition than the definition's own
+            bf16 evaluation).
+            Before, one kernel computed W c per tile: every tile read all of W, so W's traffic grew with E / BS and
+            the tiles shrank as E grew (bench/results/2026-11-25-h200-block_profile-qwen3next-5b59ff0.json at
+            E 512). A sequential walk over the chunks instead of the sums and scan was latency-bound
+            (bench/results/2026-11-25-h200-centring-linearity-ab.json).
   backward  rstd is a constant to autograd (sonic/routing/scores.py says why), so with dz = dlogits * rstd the
             gradient is linear in dz: dx = P^T W^T dz = (P^T dz) W and dW = (P^T dz)^T x, where
             (P^T g)_s = g_s - sum_{t>s} g_t / n_t. q = P^T dz is T x E: the chunk sums of dz / n, a reverse scan,
             then q per chunk; dx and dW are two GEMMs (cuBLAS).
-x is read twice forward and twice backward (by the GEMMs), where materialising c and dc read and wrote eleven
-T x D tensors. Sums are fp32 in a fixed order (no atomics): deterministic. The launch
-configuration depends only on E (64 x 64 tiles, 4 warps at E <= 128: the best of twelve at three shapes on
-an H200, bench/results/2026-11-25-h200-centring_sweep.json, a scratch sweep that `python -m bench.centring
---sweep` reruns): no autotuning. Where the time goes by kernel: `bench.centring --profile`.
+x is read three times forward (sums, rstd, GEMM) and twice backward (by the GEMMs). Sums are fp32 in a fixed
+order (no atomics): deterministic. The forward's tiles are fixed (`_forward_tiles`), the backward's depend only
+on E (`_tiles`): no autotuning. Where the time goes by kernel: `python -m bench.centring --profile`.
 """
 from __future__ import annotations
 
@@ -38,10 +47,16 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def _tiles(E: int) -> dict:
-    """Positions per tile (BS) and features per block (BD). Every forward tile reads all of W, so W's traffic
-    is E / BS times x's: BS grows as E shrinks, while the (BS, E) fp32 accumulator stays at 8192 values."""
+    """The backward's tiles: positions per tile (BS) and the experts' block (BE), whose (BS, BE) fp32 tile stays at
+    8192 values."""
     be = max(16, triton.next_power_of_2(E))
-    return dict(BS=max(16, min(64, 8192 // be)), BD=64 if be <= 256 else 32, BE=be, num_warps=4 if be <= 128 else 8)
+    return dict(BS=max(16, min(64, 8192 // be)), BE=be, num_warps=4 if be <= 128 else 8)
+
+
+def _forward_tiles() -> dict:
+    """The forward's chunk of positions (BS) and block of features (BD) for the sums and rstd; its logits' block of
+    experts is at most 128 wide, whatever E."""
+    return dict(BS=64, BD=64, num_warps=4)
 
 
 @triton.jit
@@ -60,18 +75,22 @@ def _dot_exact(a, b):
 
 
 @triton.jit
-def _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BS: tl.constexpr, BD: tl.constexpr):
-    """c of one (positions, feature block) tile, in x's dtype, and its block of features. The sum over the
-    tile's earlier positions is a product with a 0/1 lower-triangular matrix on tensor cores (exact products,
-    fp32 sums): a scan along the tile's rows crosses warps and was the kernels' largest cost."""
+def _load_x(x_ptr, rows, sm, d0, D, BD: tl.constexpr):
+    """x of the tile's positions in the features d0 .. d0 + BD (zeros outside x)."""
     d = d0 + tl.arange(0, BD)
-    dm = d < D
-    x = tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+    return tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=sm[:, None] & (d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _centre(x, earlier_ptr, seq, chunk, n, d0, D, NC, BS: tl.constexpr, BD: tl.constexpr):
+    """c of one (positions, feature block) tile of x, in fp32. The sum over the tile's earlier positions is a
+    product with a 0/1 lower-triangular matrix on tensor cores (exact products, fp32 sums): a scan along the
+    tile's rows crosses warps and was the kernels' largest cost."""
+    d = d0 + tl.arange(0, BD)
     i = tl.arange(0, BS)
     within = _dot_exact((i[None, :] < i[:, None]).to(tl.float32), x)
-    carry = tl.load(earlier_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, mask=dm, other=0.0)
-    c = x.to(tl.float32) - (carry[None, :] + within) / n[:, None]
-    return c.to(x_ptr.dtype.element_ty), d, dm
+    carry = tl.load(earlier_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, mask=d < D, other=0.0)
+    return x.to(tl.float32) - (carry[None, :] + within) / n[:, None]
 
 
 @triton.jit
@@ -103,23 +122,35 @@ def _scan_kernel(sums_ptr, out_ptr, NC, F, REVERSE: tl.constexpr, BC: tl.constex
 
 
 @triton.jit
-def _forward_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E: tl.constexpr, EPS: tl.constexpr,
-                    PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+def _rstd_kernel(x_ptr, earlier_ptr, rstd_ptr, S, D, NC, EPS: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
+    """rstd = rsqrt(mean(c^2) + EPS) of one chunk's positions, c rounded to x's dtype."""
     seq, chunk = tl.program_id(0), tl.program_id(1)
     _, rows, sm, n = _positions(seq, chunk, S, BS)
-    e = tl.arange(0, BE)
-    em = e < E
-    acc = tl.zeros((BS, BE), tl.float32)
     sumsq = tl.zeros((BS,), tl.float32)
+    x_next = _load_x(x_ptr, rows, sm, 0, D, BD)
     for d0 in range(0, D, BD):
-        c, d, dm = _centre(x_ptr, earlier_ptr, seq, chunk, rows, sm, n, d0, S, D, NC, BS, BD)
-        cf = c.to(tl.float32)
-        sumsq += tl.sum(cf * cf, axis=1)
-        w = tl.load(w_ptr + e[None, :] * D + d[:, None], mask=dm[:, None] & em[None, :], other=0.0)  # W^T block
-        acc = tl.dot(c, w, acc, input_precision=PREC)
-    rstd = tl.rsqrt(sumsq / D + EPS)
-    tl.store(logits_ptr + rows[:, None] * E + e[None, :], acc * rstd[:, None], mask=sm[:, None] & em[None, :])
-    tl.store(rstd_ptr + rows, rstd, mask=sm)
+        x = x_next
+        x_next = _load_x(x_ptr, rows, sm, d0 + BD, D, BD)  # in flight while this block computes
+        c = _centre(x, earlier_ptr, seq, chunk, n, d0, D, NC, BS, BD).to(x_ptr.dtype.element_ty).to(tl.float32)
+        sumsq += tl.sum(c * c, axis=1)
+    tl.store(rstd_ptr + rows, tl.rsqrt(sumsq / D + EPS), mask=sm)
+
+
+@triton.jit
+def _logits_kernel(z_ptr, earlier_z_ptr, rstd_ptr, logits_ptr, S, NC, E: tl.constexpr, BS: tl.constexpr,
+                   BE: tl.constexpr):
+    """logits = (z - (the earlier chunks' sum of z + the tile's earlier positions') / n) * rstd for one (sequence,
+    chunk, block of experts)."""
+    seq, chunk, eblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    _, rows, sm, n = _positions(seq, chunk, S, BS)
+    e = eblk * BE + tl.arange(0, BE)
+    em = e < E
+    m = sm[:, None] & em[None, :]
+    z = tl.load(z_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
+    earlier = tl.load(earlier_z_ptr + (seq.to(tl.int64) * NC + chunk) * E + e, mask=em, other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=sm, other=0.0)
+    logits = (z - (earlier[None, :] + tl.cumsum(z, axis=0) - z) / n[:, None]) * rstd[:, None]
+    tl.store(logits_ptr + rows[:, None] * E + e[None, :], logits, mask=m)
 
 
 @triton.jit
@@ -170,28 +201,39 @@ def _earlier_sums(x_TD: Tensor, S: int, BS: int) -> Tensor:
     return scan_chunks(sums, reverse=False)
 
 
-def _precision(x_TD: Tensor) -> str:
-    return "ieee" if x_TD.dtype == torch.float32 else "tf32"  # fp32: exact products, as the definition's
-
-
 def _fused(x_TD: Tensor) -> bool:
     """fp64 keeps the definition's fp64 sums (the kernels sum in fp32)."""
     return x_TD.dtype != torch.float64
+
+
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b summed in fp32 with an fp32 result: 16-bit operands on tensor cores (exact products), fp32 ones in
+    fp32 (cuBLAS rounds them to TF32 only where the user allowed it globally)."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
 
 
 def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
     """sonic.routing.scores.prefix_centred_logits, fused (see the module docstring)."""
     if not _fused(x_TD):
         return scores.prefix_centred_logits(x_TD, weight_ED, seq_len)
-    x_TD, weight_ED = x_TD.contiguous(), weight_ED.to(x_TD.dtype).contiguous()
-    (T, D), E, S = x_TD.shape, weight_ED.shape[0], seq_len
+    x_TD, w_ED = x_TD.contiguous(), weight_ED.to(x_TD.dtype).contiguous()
+    (T, D), E, S = x_TD.shape, w_ED.shape[0], seq_len
     logits_TE = _alloc((T, E), torch.float32, x_TD.device)
     rstd_T = _alloc((T,), torch.float32, x_TD.device)
-    if T:
-        cfg = _tiles(E)
-        earlier = _earlier_sums(x_TD, S, cfg["BS"])
-        _forward_kernel[(T // S, earlier.shape[1])](x_TD, weight_ED, earlier, logits_TE, rstd_T, S, D, earlier.shape[1],
-                                                    E=E, EPS=scores.EPS, PREC=_precision(x_TD), **cfg)
+    if not T:
+        return logits_TE, rstd_T
+    cfg = _forward_tiles()
+    BS, B = cfg["BS"], T // S
+    earlier_x = _earlier_sums(x_TD, S, BS)  # (B, chunks, D)
+    NC = earlier_x.shape[1]
+    _rstd_kernel[(B, NC)](x_TD, earlier_x, rstd_T, S, D, NC, EPS=scores.EPS, **cfg)
+    z_TE = _mm_fp32(x_TD, w_ED.t())
+    earlier_z = earlier_x.view(B * NC, D) @ w_ED.float().t()  # the same rounded W as z's
+    BE = min(128, max(16, triton.next_power_of_2(E)))
+    _logits_kernel[(B, NC, triton.cdiv(E, BE))](z_TE, earlier_z, rstd_T, logits_TE, S, NC, E=E, BS=BS, BE=BE,
+                                                num_warps=4)
     return logits_TE, rstd_T
 
 
@@ -211,5 +253,6 @@ def prefix_centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: 
     B, NC = T // S, triton.cdiv(S, BS)
     sums_e = _alloc((B, NC, E), torch.float32, x_TD.device)
     _dz_sums_kernel[(B, NC)](dlogits_TE, rstd_T, sums_e, S, NC, E=E, BS=BS, BE=BE, num_warps=4)
-    _q_kernel[(B, NC)](dlogits_TE, rstd_T, scan_chunks(sums_e, reverse=True), q_TE, S, NC, E=E, BS=BS, BE=BE, num_warps=4)
+    _q_kernel[(B, NC)](dlogits_TE, rstd_T, scan_chunks(sums_e, reverse=True), q_TE, S, NC, E=E, BS=BS, BE=BE,
+                       num_warps=4)
     return q_TE @ w_ED, (q_TE.t() @ x_TD).to(weight_ED.dtype)
