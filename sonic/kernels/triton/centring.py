@@ -5,29 +5,30 @@ centred input c never reaches memory.
 c_t = x_t - M_t / n_t, with M_t the sum of the sequence's positions before t and n_t = max(t, 1), rounded to x's
 dtype; logits_t = (W c_t) * rstd_t, rstd_t = rsqrt(mean(c_t^2) + EPS).
 
-The forward splits by linearity: W c_t = z_t - (sum of z_s over s < t) / n_t with z = W x, so W meets x in one
-GEMM and the prefix is taken over the T x E logits; only rstd needs c itself. A tile is (sequence, chunk of BS
-positions) x (block of BD features) or (block of experts); the chunks are independent, so every kernel's
-programs run in parallel.
-  forward   chunk sums of x and their scan give each chunk's earlier sum (B x chunks x D, fp32); per chunk, c over
-            the feature blocks and its sum of squares give rstd (_rstd_kernel: the sum over the tile's earlier
-            positions is a product with a 0/1 lower-triangular matrix on tensor cores, exact products and fp32
-            sums; tl.cumsum along the rows crossed warps and cost more). z = W x and W times the earlier sums are
-            cuBLAS GEMMs with fp32 results, in the same rounded W so that the earlier positions' share cancels; then
-            per chunk and block of experts, the logits (_logits_kernel). c is rounded to x's dtype for rstd, as in
-            the definition; the logits use it unrounded (closer to the fp64 definition than the definition's own
-            bf16 evaluation).
-            Before, one kernel computed W c per tile: every tile read all of W, so W's traffic grew with E / BS and
-            the tiles shrank as E grew (bench/results/2026-11-25-h200-block_profile-qwen3next-5b59ff0.json at
-            E 512). A sequential walk over the chunks instead of the sums and scan was latency-bound
-            (bench/results/2026-11-25-h200-centring-linearity-ab.json).
+The forward has two ways; a tile is (sequence, chunk of BS positions) x (block of BD features) or (block of
+experts), and the chunks are independent, so every kernel's programs run in parallel. Both start from the chunk
+sums of x and their scan: each chunk's earlier sum (B x chunks x D, fp32). The sum over a tile's earlier positions
+is a product with a 0/1 lower-triangular matrix on tensor cores (exact products, fp32 sums; tl.cumsum along the
+rows crossed warps and cost more).
+  E <= 128  (TILE_MAX_E) per chunk, over the feature blocks, c (rounded to x's dtype), its sum of squares and
+            W c (a dot), then the logits (_tile_kernel). Every tile reads all of W, so W's traffic is E / BS
+            times x's, and the tile's (BS, E) accumulator caps BS.
+  above     by linearity, W c_t = z_t - (sum of z_s over s < t) / n_t with z = W x: W meets x in one GEMM and the
+            prefix is taken over the T x E logits. Per chunk, c over the feature blocks gives rstd (_rstd_kernel,
+            c rounded to x's dtype as in the definition); z = W x and W times the earlier sums are cuBLAS GEMMs with
+            fp32 results, in the same rounded W so that the earlier positions' share cancels; then per chunk and
+            block of experts, the logits (_logits_kernel), from c unrounded: closer to the fp64 definition than the
+            definition's own bf16 evaluation. More launches, which cost more than the tile kernel's W traffic at
+            small E. (A sequential walk over the chunks instead of the sums and scan was latency-bound:
+            bench/results/2026-11-25-h200-centring-linearity-ab.json.)
   backward  rstd is a constant to autograd (sonic/routing/scores.py says why), so with dz = dlogits * rstd the
             gradient is linear in dz: dx = P^T W^T dz = (P^T dz) W and dW = (P^T dz)^T x, where
             (P^T g)_s = g_s - sum_{t>s} g_t / n_t. q = P^T dz is T x E: the chunk sums of dz / n, a reverse scan,
             then q per chunk; dx and dW are two GEMMs (cuBLAS).
-x is read three times forward (sums, rstd, GEMM) and twice backward (by the GEMMs). Sums are fp32 in a fixed
-order (no atomics): deterministic. The forward's tiles are fixed (`_forward_tiles`), the backward's depend only
-on E (`_tiles`): no autotuning. Where the time goes by kernel: `python -m bench.centring --profile`.
+x is read twice forward up to E = 128 (sums, tiles), three times above (sums, rstd, GEMM), and twice backward (by
+the GEMMs). Sums are fp32 in a fixed order (no atomics): deterministic. The forward's tiles are fixed
+(`_forward_tiles`), the backward's depend only on E (`_tiles`): no autotuning. Where the time goes by kernel:
+`python -m bench.centring --profile`.
 """
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ from torch import Tensor
 from sonic.routing import scores
 
 BC = 32  # chunks per step of the scan
+# the forward's two ways (module docstring): W c per tile up to this many experts, by linearity above (on an H200 the
+# tile kernel was as fast at 30B's shape and faster at sonic_7b's, 3x slower at E 512:
+# bench/results/2026-11-25-h200-centring-v2-ab.json)
+TILE_MAX_E = 128
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -119,6 +124,29 @@ def _scan_kernel(sums_ptr, out_ptr, NC, F, REVERSE: tl.constexpr, BC: tl.constex
         v = tl.load(sums_ptr + ptrs, mask=m, other=0.0)
         tl.store(out_ptr + ptrs, carry[None, :] + tl.cumsum(v, axis=0) - v, mask=m)
         carry += tl.sum(v, axis=0)
+
+
+@triton.jit
+def _tile_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E: tl.constexpr, EPS: tl.constexpr,
+                 PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+    """Up to E = 128: one chunk's logits and rstd, c and W c over the feature blocks."""
+    seq, chunk = tl.program_id(0), tl.program_id(1)
+    _, rows, sm, n = _positions(seq, chunk, S, BS)
+    e = tl.arange(0, BE)
+    em = e < E
+    acc = tl.zeros((BS, BE), tl.float32)
+    sumsq = tl.zeros((BS,), tl.float32)
+    for d0 in range(0, D, BD):
+        c = _centre(_load_x(x_ptr, rows, sm, d0, D, BD), earlier_ptr, seq, chunk, n, d0, D, NC, BS, BD)
+        c = c.to(x_ptr.dtype.element_ty)
+        cf = c.to(tl.float32)
+        sumsq += tl.sum(cf * cf, axis=1)
+        d = d0 + tl.arange(0, BD)
+        w = tl.load(w_ptr + e[None, :] * D + d[:, None], mask=(d < D)[:, None] & em[None, :], other=0.0)  # W^T
+        acc = tl.dot(c, w, acc, input_precision=PREC)
+    rstd = tl.rsqrt(sumsq / D + EPS)
+    tl.store(logits_ptr + rows[:, None] * E + e[None, :], acc * rstd[:, None], mask=sm[:, None] & em[None, :])
+    tl.store(rstd_ptr + rows, rstd, mask=sm)
 
 
 @triton.jit
@@ -228,6 +256,11 @@ def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tupl
     BS, B = cfg["BS"], T // S
     earlier_x = _earlier_sums(x_TD, S, BS)  # (B, chunks, D)
     NC = earlier_x.shape[1]
+    if E <= TILE_MAX_E:
+        _tile_kernel[(B, NC)](x_TD, w_ED, earlier_x, logits_TE, rstd_T, S, D, NC, E=E, EPS=scores.EPS,
+                              PREC="ieee" if x_TD.dtype == torch.float32 else "tf32",
+                              BE=max(16, triton.next_power_of_2(E)), **cfg)
+        return logits_TE, rstd_T
     _rstd_kernel[(B, NC)](x_TD, earlier_x, rstd_T, S, D, NC, EPS=scores.EPS, **cfg)
     z_TE = _mm_fp32(x_TD, w_ED.t())
     earlier_z = earlier_x.view(B * NC, D) @ w_ED.float().t()  # the same rounded W as z's
