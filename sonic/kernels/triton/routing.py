@@ -47,6 +47,11 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+# the select kernel's top-K by one bitonic top-K of packed keys from this many experts on, by K rounds of
+# (max, argmin) below
+SORT_FROM_E = 256
+
+
 def _tiles(E: int, K: int) -> dict:
     be = max(16, triton.next_power_of_2(E))
     return dict(BE=be, BT=max(1, min(64, 2048 // be)), KP=max(2, triton.next_power_of_2(K)),
@@ -69,14 +74,28 @@ def _softmax_rows(logits_TE, t, e, T, E: tl.constexpr):
     return x, p / s[:, None], lse, m, s, tm
 
 
+@triton.jit
+def _topk_by_sort(sel, e, em, BE: tl.constexpr, KP: tl.constexpr):
+    """The KP largest of each row of sel (BT, BE), ties to the lower index, padding columns last: their indices,
+    largest first. Each value is a 64-bit key, its fp32 bits made to order as unsigned (sign flipped, or all bits
+    for negatives; -0 as +0) above BE - 1 - index, so one bitonic top-KP (tl.topk) orders by value, then index."""
+    bits = tl.where(sel == 0.0, 0.0, sel).to(tl.uint32, bitcast=True)
+    ordered = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+    key = (ordered.to(tl.uint64) << 32) | (BE - 1 - e)[None, :].to(tl.uint64)
+    key = tl.where(em[None, :], key, 0)  # below every real value's key, -inf's included
+    top = tl.topk(key, KP, dim=1)
+    return BE - 1 - (top & 0xFFFFFFFF).to(tl.int32)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _select_kernel(logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, T, E: tl.constexpr,
                    K: tl.constexpr, ORDER: tl.constexpr, RENORM: tl.constexpr, COUNT: tl.constexpr, SUB: tl.constexpr,
-                   BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
-    """Chunk c = SUB tiles of BT tokens. Per token: K rounds of (max, lowest index attaining it) of logits +
-    bias, then the gates. Per chunk (no atomics, so deterministic): the softmax summed over its tokens and,
-    with COUNT, its picks per expert (what the plan's counting sort scans). Two reductions over the tile per
-    pick: a pick's logit is loaded again (from L1) rather than reduced out of the tile."""
+                   BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr, SORT: tl.constexpr):
+    """Chunk c = SUB tiles of BT tokens. Per token: the K largest of logits + bias, ties to the lower index,
+    then the gates: K rounds of (max, lowest index attaining it), two reductions over the tile per pick, or
+    with SORT one bitonic top-KP of packed keys (_topk_by_sort). Per chunk (no atomics, so deterministic): the
+    softmax summed over its tokens and, with COUNT, its picks per expert (what the plan's counting sort
+    scans). A pick's logit is loaded again (from L1) rather than reduced out of the tile."""
     c = tl.program_id(0)
     e = tl.arange(0, BE)
     em = e < E
@@ -89,17 +108,24 @@ def _select_kernel(logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, count
         x, P, lse, row_max, row_sum, tm = _softmax_rows(logits_TE, t, e, T, E)
         tl.store(lse_T + t, lse, mask=tm)
         probsum += tl.sum(tl.where(tm[:, None], P, 0.0), axis=0)
-        taken = (~em)[None, :] | (t < 0)[:, None]  # padding columns never win
         sel = x + bias[None, :]
-        top_i = tl.zeros((BT, KP), tl.int32)
-        for k in tl.static_range(K):
-            sv = tl.where(taken, float("-inf"), sel)
-            m = tl.max(sv, axis=1)
-            i = tl.min(tl.where((sv == m[:, None]) & ~taken, e[None, :], BE), axis=1)
-            top_i = tl.where(kk[None, :] == k, i[:, None], top_i)
-            taken = taken | (e[None, :] == i[:, None])
-        if COUNT:
-            counts += tl.sum(tl.where(taken & em[None, :] & tm[:, None], 1, 0), axis=0)
+        if SORT:
+            top_i = _topk_by_sort(sel, e, em, BE, KP)
+            if COUNT:  # picks past K and rows past T go to bin 0 and come off it
+                picked = tm[:, None] & (kk < K)[None, :]
+                h = tl.histogram(tl.reshape(tl.where(picked, top_i, 0), [BT * KP]), BE)
+                counts += h - tl.where(e == 0, BT * KP - tl.sum(tl.where(picked, 1, 0)), 0)
+        else:
+            taken = (~em)[None, :] | (t < 0)[:, None]  # padding columns never win
+            top_i = tl.zeros((BT, KP), tl.int32)
+            for k in tl.static_range(K):
+                sv = tl.where(taken, float("-inf"), sel)
+                m = tl.max(sv, axis=1)
+                i = tl.min(tl.where((sv == m[:, None]) & ~taken, e[None, :], BE), axis=1)
+                top_i = tl.where(kk[None, :] == k, i[:, None], top_i)
+                taken = taken | (e[None, :] == i[:, None])
+            if COUNT:
+                counts += tl.sum(tl.where(taken & em[None, :] & tm[:, None], 1, 0), axis=0)
         # the unbiased logit of each pick
         top_x = tl.load(logits_TE + t.to(tl.int64)[:, None] * E + top_i, mask=tm[:, None] & (kk < K)[None, :],
                         other=float("-inf")).to(tl.float32)
@@ -185,7 +211,7 @@ def _select_launch(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renorm
     counts_CE = _alloc((C, E), torch.int32, dev) if count else probsum_CE
     if T:
         _select_kernel[(C,)](logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, T, E=E, K=k,
-                             ORDER=ORDERS[order], RENORM=renormalize, COUNT=count, **cfg)
+                             ORDER=ORDERS[order], RENORM=renormalize, COUNT=count, SORT=E >= SORT_FROM_E, **cfg)
     return idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, cfg
 
 
