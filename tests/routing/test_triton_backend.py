@@ -74,8 +74,8 @@ def check_parity(device: str, cases, dtypes=(torch.float32,), orders=ORDERS) -> 
 
 CPU_CASES = [(37, 8, 2, False, False), (64, 12, 3, True, True), (5, 3, 3, True, False), (1, 4, 1, False, True),
              (700, 8, 2, True, True)]  # the last: several chunks of the counting sort
-# the select kernel's top-K by sorting packed keys (from routing.SORT_FROM_E experts): ties, a partial expert block
-SORT_CASES = [(9, 300, 10, True, False), (20, 256, 16, False, True)]
+# the select kernel's top-K by sorting packed keys (from routing.SORT_FROM_K picks): ties, a partial expert block
+SORT_CASES = [(9, 300, 16, True, False), (20, 256, 16, False, True)]
 GPU_CASES = CPU_CASES + [(4096, 128, 8, False, True), (1000, 128, 8, True, True), (333, 512, 10, False, True),
                          (257, 64, 4, True, False), (2048, 256, 16, False, False)]
 # Every (E, K, order, dtype) compiles its own kernels (~1 s each on an H100): the shapes run in the models'
@@ -116,7 +116,7 @@ def _interpreter_main() -> None:
     check_parity("cpu", CPU_CASES)
     from sonic.kernels.triton import routing
 
-    assert min(E for _, E, *_ in SORT_CASES) >= routing.SORT_FROM_E > max(E for _, E, *_ in CPU_CASES)
+    assert min(K for _, _, K, *_ in SORT_CASES) >= routing.SORT_FROM_K > max(K for _, _, K, *_ in CPU_CASES)
     check_parity("cpu", SORT_CASES, orders=ORDERS[:1])
     check_rounding_parity("cpu", MATRICES)
     from sonic.kernels.triton import rounding

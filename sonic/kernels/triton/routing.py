@@ -47,9 +47,10 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-# the select kernel's top-K by one bitonic top-K of packed keys from this many experts on, by K rounds of
-# (max, argmin) below
-SORT_FROM_E = 256
+# the select kernel's top-K by one bitonic top-K of packed keys from this K on, by K rounds of (max, argmin) below:
+# on an H200 sorting won at E 256, K 16 and lost at E 512, K 10, at E 128, K 8 and at E 64, K 4
+# (bench/results/2026-11-25-h200-select-sort-ab.json)
+SORT_FROM_K = 16
 
 
 def _tiles(E: int, K: int) -> dict:
@@ -211,7 +212,7 @@ def _select_launch(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renorm
     counts_CE = _alloc((C, E), torch.int32, dev) if count else probsum_CE
     if T:
         _select_kernel[(C,)](logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, T, E=E, K=k,
-                             ORDER=ORDERS[order], RENORM=renormalize, COUNT=count, SORT=E >= SORT_FROM_E, **cfg)
+                             ORDER=ORDERS[order], RENORM=renormalize, COUNT=count, SORT=k >= SORT_FROM_K, **cfg)
     return idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, cfg
 
 
