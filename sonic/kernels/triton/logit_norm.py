@@ -3,7 +3,7 @@ prefix_standardise[_backward], which define the semantics.
 
 Legend: B sequences of S positions (T = B * S tokens), E experts; a chunk is STAT_CHUNK (L) positions.
 
-  forward   per chunk, the sums of z and z^2 over it (_sums_kernel), then the scan over the chunks (centring.py
+  forward   per chunk, the sums of z and z^2 over it (_norm_sums_kernel), then the scan over the chunks (centring.py
             scan_chunks): the stats, the sums over each chunk's earlier positions, which the op keeps. Then per
             chunk, y from the stats plus the sums over the chunk's own earlier positions (a cumsum along the tile).
   backward  per chunk, one position at a time from its stats: rstd, dz = dy * rstd, then z = y / rstd + mu joins
@@ -46,7 +46,7 @@ def _chunk(seq, chunk, eblk, S, E: tl.constexpr, L: tl.constexpr, BE: tl.constex
 
 
 @triton.jit
-def _sums_kernel(z_ptr, sums_ptr, S, NC, E: tl.constexpr, L: tl.constexpr, BE: tl.constexpr):
+def _norm_sums_kernel(z_ptr, sums_ptr, S, NC, E: tl.constexpr, L: tl.constexpr, BE: tl.constexpr):
     """sums[seq, chunk] = (sum of z, sum of z^2) over the chunk's positions."""
     seq, chunk, eblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     _, rows, e, em, m = _chunk(seq, chunk, eblk, S, E, L, BE)
@@ -65,8 +65,8 @@ def _moments(earlier, earlier_sq, s, PRIOR: tl.constexpr):
 
 
 @triton.jit
-def _forward_kernel(z_ptr, stats_ptr, y_ptr, S, NC, E: tl.constexpr, L: tl.constexpr, BE: tl.constexpr,
-                    PRIOR: tl.constexpr):
+def _norm_forward_kernel(z_ptr, stats_ptr, y_ptr, S, NC, E: tl.constexpr, L: tl.constexpr, BE: tl.constexpr,
+                         PRIOR: tl.constexpr):
     seq, chunk, eblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s, rows, e, em, m = _chunk(seq, chunk, eblk, S, E, L, BE)
     z = tl.load(z_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0).to(tl.float32)
@@ -79,8 +79,8 @@ def _forward_kernel(z_ptr, stats_ptr, y_ptr, S, NC, E: tl.constexpr, L: tl.const
 
 
 @triton.jit
-def _backward_kernel(dy_ptr, y_ptr, stats_ptr, dz_ptr, S, NC, E: tl.constexpr, L: tl.constexpr, BE: tl.constexpr,
-                     PRIOR: tl.constexpr, UNROLL: tl.constexpr):
+def _norm_backward_kernel(dy_ptr, y_ptr, stats_ptr, dz_ptr, S, NC, E: tl.constexpr, L: tl.constexpr, BE: tl.constexpr,
+                          PRIOR: tl.constexpr, UNROLL: tl.constexpr):
     seq, chunk, eblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = eblk * BE + tl.arange(0, BE)
     em = e < E
@@ -117,9 +117,9 @@ def prefix_standardise(logits_TE: Tensor, seq_len: int) -> tuple[Tensor, Tensor]
         return y_TE, _alloc((B, NC, 2, E), torch.float32, z_TE.device)
     grid = (B, NC, triton.cdiv(E, BE))
     sums = _alloc((B, NC, 2 * E), torch.float32, z_TE.device)
-    _sums_kernel[grid](z_TE, sums, S, NC, E=E, L=L, BE=BE, num_warps=4)
+    _norm_sums_kernel[grid](z_TE, sums, S, NC, E=E, L=L, BE=BE, num_warps=4)
     stats = scan_chunks(sums, reverse=False).view(B, NC, 2, E)
-    _forward_kernel[grid](z_TE, stats, y_TE, S, NC, E=E, L=L, BE=BE, PRIOR=scores.PRIOR_POSITIONS, num_warps=4)
+    _norm_forward_kernel[grid](z_TE, stats, y_TE, S, NC, E=E, L=L, BE=BE, PRIOR=scores.PRIOR_POSITIONS, num_warps=4)
     return y_TE, stats
 
 
@@ -132,7 +132,7 @@ def prefix_standardise_backward(dy_TE: Tensor, y_TE: Tensor, stats: Tensor, seq_
     dz_TE = _alloc((T, E), torch.float32, y_TE.device)
     if T:
         BE = _block(E)
-        _backward_kernel[(T // S, triton.cdiv(S, L), triton.cdiv(E, BE))](
+        _norm_backward_kernel[(T // S, triton.cdiv(S, L), triton.cdiv(E, BE))](
             dy_TE, y_TE, stats, dz_TE, S, stats.shape[1], E=E, L=L, BE=BE, PRIOR=scores.PRIOR_POSITIONS,
             UNROLL=UNROLL, num_warps=4)
     return dz_TE
