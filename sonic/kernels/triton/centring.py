@@ -229,9 +229,10 @@ def _earlier_sums(x_TD: Tensor, S: int, BS: int) -> Tensor:
     return scan_chunks(sums, reverse=False)
 
 
-def _fused(x_TD: Tensor) -> bool:
-    """fp64 keeps the definition's fp64 sums (the kernels sum in fp32)."""
-    return x_TD.dtype != torch.float64
+def runs_fused(t: Tensor) -> bool:
+    """Whether the fused kernels take a tensor of t's dtype: fp64 keeps the definition's fp64 sums (the kernels,
+    here and in logit_norm.py, sum in fp32)."""
+    return t.dtype != torch.float64
 
 
 def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
@@ -244,7 +245,7 @@ def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
 
 def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
     """sonic.routing.scores.prefix_centred_logits, fused (see the module docstring)."""
-    if not _fused(x_TD):
+    if not runs_fused(x_TD):
         return scores.prefix_centred_logits(x_TD, weight_ED, seq_len)
     x_TD, w_ED = x_TD.contiguous(), weight_ED.to(x_TD.dtype).contiguous()
     (T, D), E, S = x_TD.shape, w_ED.shape[0], seq_len
@@ -273,7 +274,7 @@ def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tupl
 def prefix_centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor, rstd_T: Tensor,
                                    seq_len: int) -> tuple[Tensor, Tensor]:
     """sonic.routing.scores.prefix_centred_logits_backward, fused: q = P^T dz, dx = q W, dW = q^T x."""
-    if not _fused(x_TD):
+    if not runs_fused(x_TD):
         return scores.prefix_centred_logits_backward(dlogits_TE, x_TD, weight_ED, rstd_T, seq_len)
     x_TD, w_ED = x_TD.contiguous(), weight_ED.to(x_TD.dtype).contiguous()
     dlogits_TE, rstd_T = dlogits_TE.float().contiguous(), rstd_T.float().contiguous()

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sonic.kernels.triton.centring import scan_chunks
+from sonic.kernels.triton.centring import runs_fused, scan_chunks
 from sonic.routing import scores
 
 L = scores.STAT_CHUNK
@@ -100,14 +100,9 @@ def _norm_backward_kernel(dy_ptr, y_ptr, stats_ptr, dz_ptr, S, NC, E: tl.constex
             earlier_sq += z * z
 
 
-def _fused(logits_TE: Tensor) -> bool:
-    """fp64 keeps the definition's fp64 sums (the kernels sum in fp32)."""
-    return logits_TE.dtype != torch.float64
-
-
 def prefix_standardise(logits_TE: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
     """sonic.routing.scores.prefix_standardise, fused (see the module docstring)."""
-    if not _fused(logits_TE):
+    if not runs_fused(logits_TE):
         return scores.prefix_standardise(logits_TE, seq_len)
     z_TE = logits_TE.contiguous()
     (T, E), S = z_TE.shape, seq_len
@@ -125,7 +120,7 @@ def prefix_standardise(logits_TE: Tensor, seq_len: int) -> tuple[Tensor, Tensor]
 
 def prefix_standardise_backward(dy_TE: Tensor, y_TE: Tensor, stats: Tensor, seq_len: int) -> Tensor:
     """sonic.routing.scores.prefix_standardise_backward, fused: dz = dy * rstd, rstd recovered from y and stats."""
-    if not _fused(y_TE):
+    if not runs_fused(y_TE):
         return scores.prefix_standardise_backward(dy_TE, y_TE, stats, seq_len)
     dy_TE, y_TE, stats = dy_TE.float().contiguous(), y_TE.contiguous(), stats.contiguous()
     (T, E), S = y_TE.shape, seq_len
