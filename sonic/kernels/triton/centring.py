@@ -223,9 +223,10 @@ def scan_chunks(sums: Tensor, reverse: bool) -> Tensor:
 def _earlier_sums(x_TD: Tensor, S: int, BS: int) -> Tensor:
     """(B, chunks, D): per chunk, the sum of x over the sequence's earlier chunks."""
     T, D = x_TD.shape
-    grid = (T // S, triton.cdiv(S, BS), triton.cdiv(D, 64))
+    BD = 128  # with 2 warps: 1.4x 64 with 4 on the H200 (bench/results/2026-11-25-h200-select-chunk-sums-sweep.json)
+    grid = (T // S, triton.cdiv(S, BS), triton.cdiv(D, BD))
     sums = _alloc((grid[0], grid[1], D), torch.float32, x_TD.device)
-    _chunk_sums_kernel[grid](x_TD, sums, S, D, grid[1], BS=BS, BD=64, num_warps=4)
+    _chunk_sums_kernel[grid](x_TD, sums, S, D, grid[1], BS=BS, BD=BD, num_warps=2)
     return scan_chunks(sums, reverse=False)
 
 
