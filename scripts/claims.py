@@ -592,7 +592,12 @@ TABLES = (
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
           "sonic-moe 0.1.2.post1 layer (router included), one H200, one process, seven interleaved rounds "
           "(`bench.moe_block`); × is Sonic over official, from the medians and from each side's best round. "
-          "`+compile` is the block as the trainer runs it (`torch.compile`). The first five rows: the logit norm as "
+          "`+compile` is the block as the trainer runs it (`torch.compile`). The first four rows: above 128 experts "
+          "the centring's forward by linearity (chunk sums, an rstd kernel, z = x Wᵀ in cuBLAS, the logits per "
+          "chunk), the select kernel's top-K by sorting from K 16, the chunk sums in 128-wide blocks (`b1ca924`), "
+          "two calls on one machine; the official 7B rounds ran faster there than in the next five rows' calls "
+          "(its f+b TFLOPS column), so the 7B × moved with the official layer, not with Sonic. The next five: the "
+          "logit norm as "
           "one op that keeps no T × E scale for its backward (`5b59ff0`), three calls on one machine. The next two: "
           "the down and dX~ "
           "kernels over a reduction longer than 512 (dX~ at 30B, both at OLMoE) in 128-wide ping-pong CTA pairs "
@@ -609,6 +614,11 @@ TABLES = (
           "the centring as one op; in the older rows the bench handed the block a 2-D input, so the "
           "centring read sequences of d tokens, not 4096 (the same work per token; fixed in `c2f35fb`).",
           rows=tuple(Row(f"{config}, cute+compile",
+                         f"bench/results/2026-11-25-h200-moe_block-compiled-centring-v2{suffix}.json",
+                         {"config": config, "backend": "cute+compile"})
+                     for config, suffix in (("Qwen3-Next", ""), ("30B", ""), ("OLMoE", "-7b-olmoe"),
+                                            ("7B", "-7b-olmoe"))) + tuple(
+              Row(f"{config}, cute+compile",
                          f"bench/results/2026-11-25-h200-moe_block-compiled-lnop{suffix}.json",
                          {"config": config, "backend": "cute+compile"})
                      for config, suffix in (("7B", "-7b"), ("1.4B", "-1.4b-qwen3next"), ("30B", ""), ("OLMoE", ""),
