@@ -17,6 +17,7 @@ bench/results/<date>-<gpu>-moe_block.json:
                       faster); bwd from each side's f+b minus fwd
   best_ratio_*        the same from each side's best round (its lowest fwd and f+b ms): the official
                       layer's f+b moves a lot between rounds, so one statistic alone misleads
+  load_max_over_mean  the block's routed rows per expert on the timed input, busiest over mean (1: balanced)
   compile_s           wall seconds of the backend's first fwd+bwd on the shape: compilation
                       included unless the triton / cute (SONIC_CUTE_CACHE_DIR) disk caches hold it
   check               relative error of O, dX, dW1, dW2 and the router's dW vs the same block on
@@ -63,7 +64,7 @@ from sonic.models.presets import load_preset
 
 RATIO_FIELDS = tuple(f"{stat}ratio_{phase}" for stat in ("", "best_") for phase in ("fwd", "bwd", "fb"))
 BLOCK_FIELDS = ("gpu", "config", "backend", "fwd_tflops", "bwd_tflops", "fb_tflops", "held_mib",
-                "official_fb_tflops", "official_held_mib", *RATIO_FIELDS, "compile_s")
+                "official_fb_tflops", "official_held_mib", *RATIO_FIELDS, "compile_s", "load_max_over_mean")
 
 
 def block_moe_config(model: str, shape, backend: str):
@@ -89,19 +90,31 @@ def sonic_block(p: Problem, cfg):
     return moe
 
 
-def block_forward(moe, x_TD, autocast: bool, seq_len: int):
-    """forward() -> (out_TD, router loss), as the trainer calls the block (bf16 autocast on a GPU): on
-    sequences of seq_len tokens (one sequence of T where seq_len does not divide T), which the router's
-    input centring reads."""
+def block_call(moe, x_TD, autocast: bool, seq_len: int):
+    """(out_TD, RouterOutput) of one call as the trainer makes it (bf16 autocast on a GPU): on sequences of seq_len
+    tokens (one sequence of T where seq_len does not divide T), which the router's input centring reads."""
     T, D = x_TD.shape
     S = seq_len if T % seq_len == 0 else T
+    with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+        out_BSD, routed = moe(x_TD.view(T // S, S, D))
+    return out_BSD.view(T, D), routed
 
+
+def block_forward(moe, x_TD, autocast: bool, seq_len: int):
+    """forward() -> (out_TD, router loss) of block_call."""
     def forward():
-        with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            out_BSD, routed = moe(x_TD.view(T // S, S, D))
-        return out_BSD.view(T, D), routed.loss
+        out_TD, routed = block_call(moe, x_TD, autocast, seq_len)
+        return out_TD, routed.loss
 
     return forward
+
+
+def load_max_over_mean(moe, x_TD, autocast: bool, seq_len: int) -> float:
+    """The block's routed rows per expert on the timed input: the busiest expert's over the mean (1: balanced;
+    E / K: every token on the same K experts). Timings of a collapsed routing would measure a different load."""
+    with torch.no_grad():
+        counts_E = block_call(moe, x_TD, autocast, seq_len)[1].counts_E.float()
+    return (counts_E.max() / counts_E.mean()).item()
 
 
 def official_forward(module, x_TD, aux_coef: float):
@@ -232,6 +245,7 @@ def run_block_config(name, shape, backends, official, args, done, emit) -> None:
             rec["max_err"] = max(rec["check"].values())
             rec["check_ok"] = rec["max_err"] <= 2e-2
             rec["held_mib"] = held_mib(forward, cuda)
+            rec["load_max_over_mean"] = load_max_over_mean(moe, p.x, cuda, args.seq_len)
             fns, grad_leaves = {"fwd": fwd, "fb": fb}, {"fwd": leaves, "fb": leaves}
             if off is not None:  # order within a round: ours fwd, official fwd, ours fb, official fb
                 fns = {"fwd": fwd, "official_fwd": off["fwd"], "fb": fb, "official_fb": off["fb"]}
@@ -276,16 +290,17 @@ def block_summary(records) -> str:
     rows = []
     for r in records:
         if r.get("error"):
-            rows.append([r["config"], r["backend"], "FAILED", "", "", "", "", "", "", "", "", "", r["error"][:40]])
+            rows.append([r["config"], r["backend"], "FAILED", "", "", "", "", "", "", "", "", "", "", r["error"][:40]])
             continue
         rows.append([r["config"], r["backend"], fmt(r["fwd_tflops"]), fmt(r["bwd_tflops"]), fmt(r["fb_tflops"]),
                      fmt(r["held_mib"], ".0f"), fmt(r["official_fb_tflops"]), fmt(r["official_held_mib"], ".0f"),
                      ratio_pair(r, "f+b"), ratio_pair(r, "fwd"), ratio_pair(r, "bwd"),
-                     fmt(r["compile_s"], ".1f"), fmt(r["max_err"], ".1e") + ("" if r["check_ok"] else " BAD")])
+                     fmt(r["compile_s"], ".1f"), fmt(r.get("load_max_over_mean"), ".2f"),
+                     fmt(r["max_err"], ".1e") + ("" if r["check_ok"] else " BAD")])
     return ("MoE block (router + routing + experts + combine, as trained): TFLOPS, held MiB; official = "
             "sonic-moe in this process, interleaved; x = Sonic over official, median (best round)\n"
             + table(rows, ["config", "backend", "fwd", "bwd", "f+b", "held", "official f+b", "official held",
-                           "x f+b", "x fwd", "x bwd", "compile s", "max err"]))
+                           "x f+b", "x fwd", "x bwd", "compile s", "load max/mean", "max err"]))
 
 
 def run_block(configs, args) -> None:

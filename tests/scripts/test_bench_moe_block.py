@@ -12,7 +12,7 @@ from bench import common, moe_block, moe_configs, moe_layer
 
 REQUIRED = {"gpu": str, "config": str, "backend": str, "fwd_tflops": float, "bwd_tflops": float, "fb_tflops": float,
             "held_mib": type(None), "official_fb_tflops": type(None), "official_held_mib": type(None),
-            "compile_s": float} | dict.fromkeys(moe_block.RATIO_FIELDS, type(None))
+            "compile_s": float, "load_max_over_mean": float} | dict.fromkeys(moe_block.RATIO_FIELDS, type(None))
 # per-round ms: the medians are fwd 2, official 4, f+b 6, official 10; the best rounds fwd 1, 3, f+b 4, 8
 FIXED_MS = {"fwd": [2.0, 1.0, 3.0, 2.0, 2.5, 1.5, 9.0], "official_fwd": [4.0, 3.0, 5.0, 4.0, 4.5, 3.5, 9.0],
             "fb": [6.0, 4.0, 9.0, 6.0, 7.0, 5.0, 20.0], "official_fb": [12.0, 8.0, 10.0, 10.0, 11.0, 9.0, 30.0]}
@@ -56,6 +56,20 @@ def test_block_bench_cpu_record(tmp_path, fixed_times):
     assert rec["check_ok"] and rec["max_err"] == 0 and set(rec["check"]) == {"out", "dx", "dw1", "dw2", "drouter"}
     assert rec["rounds_ms"] == {"fwd": FIXED_MS["fwd"], "fb": FIXED_MS["fb"]}
     assert "64,32,16,4,2" not in moe_configs.CONFIGS  # an extra shape is the run's, not the module's
+    assert 1 <= rec["load_max_over_mean"] <= 4 / 2  # between balanced and E / K
+
+
+def test_block_load_is_the_busiest_experts_rows_over_the_mean(monkeypatch):
+    """load_max_over_mean reads the block's own routed counts: a router forced to send every token to expert 0
+    and 1 (of 4, K 2) reads E / K."""
+    shape = (64, 32, 16, 4, 2)
+    p = moe_layer.Problem(*shape, device="cpu")
+    moe = moe_block.sonic_block(p, moe_block.block_moe_config("sonic_7b", shape, "reference"))
+    assert moe_block.load_max_over_mean(moe, p.x, False, 4096) < 2
+    with torch.no_grad():
+        moe.router.weight_ED.zero_()
+        moe.router.expert_bias_E.copy_(torch.tensor([2.0, 1.0, 0.0, 0.0]))
+    assert moe_block.load_max_over_mean(moe, p.x, False, 4096) == 2
 
 
 def test_rounds_must_be_positive():
