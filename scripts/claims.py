@@ -354,7 +354,8 @@ BLOCK_COLUMNS = (
     Field("× f+b", "ratio_fb", digits=2, suffix="×"),
     Field("× f+b, best rounds", "best_ratio_fb", digits=2, suffix="×"),
     Field("× fwd", "ratio_fwd", digits=2, suffix="×"), Field("× bwd", "ratio_bwd", digits=2, suffix="×"),
-    Field("held MiB", "held_mib", digits=0), Field("official held MiB", "official_held_mib", digits=0))
+    Field("held MiB", "held_mib", digits=0), Field("official held MiB", "official_held_mib", digits=0),
+    Field("load max/mean", "load_max_over_mean", digits=2, missing="–"))  # recorded from adb5466
 
 TABLES = (
     Table("paper_e2e", rows=(Row("the paper: SonicMoE, lm-engine, FSDP-2", PAPER_SOURCE, {"name": "sonicmoe"},
@@ -596,7 +597,10 @@ TABLES = (
           "the centring's forward by linearity (chunk sums, an rstd kernel, z = x Wᵀ in cuBLAS, the logits per "
           "chunk), the select kernel's top-K by sorting from K 16, the chunk sums in 128-wide blocks (`b1ca924`), "
           "two calls on one machine; the official 7B rounds ran faster there than in the next five rows' calls "
-          "(its f+b TFLOPS column), so the 7B × moved with the official layer, not with Sonic. The next five: the "
+          "(its f+b TFLOPS column), so the 7B × moved with the official layer, not with Sonic. The next two: the same "
+          "tree (`adb5466`'s bench), the block as the `olmoe_1b_7b` and `qwen3_30b_a3b` presets build it (`--model`): "
+          "their routers read the hidden state as Hugging Face's do (no centring, no logit norm), the official "
+          "layer's routing work. The next five: the "
           "logit norm as "
           "one op that keeps no T × E scale for its backward (`5b59ff0`), three calls on one machine. The next two: "
           "the down and dX~ "
@@ -618,6 +622,11 @@ TABLES = (
                          {"config": config, "backend": "cute+compile"})
                      for config, suffix in (("Qwen3-Next", ""), ("30B", ""), ("OLMoE", "-7b-olmoe"),
                                             ("7B", "-7b-olmoe"))) + tuple(
+              Row(f"{config}, {preset} routing, cute+compile",
+                  f"bench/results/2026-11-25-h200-moe_block-compiled-{file}-preset.json",
+                  {"config": config, "backend": "cute+compile"})
+              for config, preset, file in (("OLMoE", "olmoe_1b_7b", "olmoe"),
+                                           ("Qwen3-Next", "qwen3_30b_a3b", "qwen3next-qwen3"))) + tuple(
               Row(f"{config}, cute+compile",
                          f"bench/results/2026-11-25-h200-moe_block-compiled-lnop{suffix}.json",
                          {"config": config, "backend": "cute+compile"})
