@@ -22,7 +22,7 @@ from sonic.kernels.cute.selfcheck import wait_or_exit
 
 SHAPES = {  # T, D, N, E, K: bench/moe_configs.py's configs under this script's --shape names
     "7b": CONFIGS["7B"], "7b-n512": CONFIGS["7B-E64"], "1.4b": CONFIGS["1.4B"], "30b": CONFIGS["30B"],
-    "olmoe": CONFIGS["OLMoE"], "small": (4096, 512, 256, 16, 4),
+    "olmoe": CONFIGS["OLMoE"], "qwen3next": CONFIGS["Qwen3-Next"], "small": (4096, 512, 256, 16, 4),
 }
 PAPER_TF = {"up": 559, "down": 485, "dh": 328}  # 7B breakdown on H100 (PAPER.md)
 

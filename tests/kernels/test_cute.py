@@ -179,8 +179,9 @@ def check_dh_dx_dw(shape, routing, cfgs):
 # 128-row tile, experts without rows. Each config compiles its kernels (seconds each), so the list stays short:
 # 256-wide cooperative tiles in a cluster (co256c2), 192-wide tiles without a cluster, a padded cluster (pp128c2, the
 # long-reduction default), and 256-row tiles (down, dx, dw1; a partial last m-tile of dW1 at 2N = 384) alone and in a
-# cluster.
-TILE_CONFIGS = ["pp192", "co256c2", "pp128c2", "co128m256", "co128m256c2"]
+# cluster; widths that are not multiples of 64, whose epilogue runs an odd count of sub-tiles (pp160c2: five of 32
+# columns on down and dx; pp176: eleven of 16 on every kernel but dW1).
+TILE_CONFIGS = ["pp192", "co256c2", "pp128c2", "co128m256", "co128m256c2", "pp160c2", "pp176"]
 
 
 @pytest.mark.parametrize("cfg", TILE_CONFIGS)
@@ -224,7 +225,7 @@ def test_every_default_config_fits_its_kernel_on_every_benchmarked_shape():
 def test_configs_a_kernel_cannot_run_are_refused():
     from sonic.kernels.cute import ops
     for kind, cfg, why in (("up", "co256c2", "only down and dx"), ("dw1", "co192", "power of two"),
-                           ("down", "pp256", "192 columns at most"), ("dx", "co96", "64, 128, 192 or 256"),
+                           ("down", "pp256", "192 columns at most"), ("dx", "co88", "multiple of 16"), ("down", "co48", "from 64 to 256"),
                            ("up", "co128m256", "only down, dx, dw1"), ("dw1", "co256m256", "at most 128 wide"),
                            ("dx", "pp128m256", "cooperative")):
         with pytest.raises(ValueError, match=why):

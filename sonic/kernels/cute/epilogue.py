@@ -12,7 +12,7 @@ An epilogue walks the tile in sub-tiles of `epi_n` columns: it writes bf16 resul
 padded shared-memory staging tile (conflict-free 32-bit stores), waits on the consumer
 named barrier, then the epilogue's threads (one or both consumer warpgroups) copy the
 staging tile out with 16-byte stores predicated on the expert's last row. Two staging buffers alternate, so one barrier per
-sub-tile suffices.
+sub-tile suffices (and one more per tile where the count of sub-tiles is odd: `EpilogueContext.sub_tiles`).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
 
 
 LOG2E = math.log2(math.e)
@@ -92,13 +92,73 @@ class StoreEpilogue:
             rows_valid = mC.shape[0] - ctx.mt * bm
             cols_valid = mC.shape[1] - col0
         buf_elems = _staging_elems(bm, en)
-        for j in cutlass.range_constexpr(bn // en):
+        for j in ctx.sub_tiles():
             sC = _staging(ctx.sEpi, (j % 2) * buf_elems, bm, en)
             for i, r, c in ctx.pairs(j):
                 sC[r, c] = ctx.acc[i].to(BFloat16)
                 sC[r, c + 1] = ctx.acc[i + 1].to(BFloat16)
             ctx.barrier.arrive_and_wait()
             _copy_out(ctx, sC, cute.domain_offset((0, j * en), gC), rows_valid, cols_valid - j * en)
+
+
+class DirectStoreEpilogue(StoreEpilogue):
+    """varlen-M C (down-projection Y, dX~) stored from registers, with no shared memory and no barrier.
+
+    A row's 8 consecutive columns are spread over the 4 lanes of a quad (2 each, per 8-column block nb); a
+    4 x 4 transpose of packed column pairs over 4 nb blocks (two butterfly shuffle stages) gives each lane the 8
+    columns of one block, which it stores in 16 bytes: a warp writes 8 rows x 64 bytes, as the staged copy-out did,
+    without its shared-memory round trip, which cost the down-projection 16-21% at n = 512
+    (bench/results/2026-11-26-h200-down-epilogue-diag.json). Needs tile_n % 32 == 0. args = (mC (R, N),)."""
+
+    def smem_elems(self, spec) -> int:
+        return 64  # unused: a shared-storage member cannot be empty
+
+    @cute.jit
+    def apply(self, ctx):
+        spec = ctx.spec
+        bn = spec.tile_n
+        assert bn % 32 == 0, "the quad transpose takes 4 blocks of 8 columns at a time"
+        mC = ctx.args[0]
+        dt = mC.element_type
+        col0 = ctx.nt * bn
+        gC = cute.domain_offset((ctx.start, col0), mC)
+        cols_valid = mC.shape[1] - col0
+        q = cute.arch.lane_idx() % 4
+        for mm in cutlass.range_constexpr(cute.size(ctx.acc, mode=[1])):
+            for v1 in cutlass.range_constexpr(2):
+                i0 = 2 * v1 + (bn // 2) * mm  # registers of one row: i0 + v0 + 4 * nb
+                row = ctx.tCcC[i0][0]
+                for g in cutlass.range_constexpr(bn // 32):
+                    m = [_pack(ctx.acc[i0 + 4 * (4 * g + k)], ctx.acc[i0 + 4 * (4 * g + k) + 1], dt)
+                         for k in range(4)]
+                    m = _quad_transpose(m, q)  # m[k]: columns 2k, 2k + 1 of block 4g + q
+                    col = 8 * (4 * g + q)
+                    if row < ctx.length and col < cols_valid:
+                        out = cute.make_rmem_tensor((4,), Uint32)
+                        for k in cutlass.range_constexpr(4):
+                            out[k] = m[k]
+                        dst = _aligned(cute.local_tile(gC[row, None], (8,), (col // 8,)), 16)
+                        cute.autovec_copy(cute.recast_tensor(out, dt), dst)
+
+
+def _pack(a: Float32, b: Float32, dt) -> Uint32:
+    """Two accumulator values as one 32-bit word of two 16-bit floats (a in the low half)."""
+    v = cute.make_rmem_tensor((2,), dt)
+    v[0] = a.to(dt)
+    v[1] = b.to(dt)
+    return cute.recast_tensor(v, Uint32)[0]
+
+
+def _quad_transpose(m: list, q):
+    """Lane q of each quad holds m[k] = entry (q, k) of a 4 x 4 matrix; afterwards it holds entry (k, q): per
+    index bit b, the lanes q and q ^ b swap the entries whose bit b differs from their own."""
+    for b in (1, 2):
+        hi = (q & b) != 0
+        for k in (k for k in range(4) if not k & b):
+            send = Uint32(cutlass.select_(hi, m[k], m[k ^ b]))
+            recv = cute.arch.shuffle_sync_bfly(send, offset=b)
+            m[k], m[k ^ b] = Uint32(cutlass.select_(hi, recv, m[k])), Uint32(cutlass.select_(hi, m[k ^ b], recv))
+    return m
 
 
 class SwiGLUEpilogue:
@@ -121,7 +181,7 @@ class SwiGLUEpilogue:
         gA = cute.domain_offset((ctx.start, col0 // 2), mAct)
         h_elems = _staging_elems(bm, en)
         a_elems = _staging_elems(bm, en // 2)
-        for j in cutlass.range_constexpr(bn // en):
+        for j in ctx.sub_tiles():
             base = (j % 2) * (h_elems + a_elems)
             sH = _staging(ctx.sEpi, base, bm, en)
             sA = _staging(ctx.sEpi, base + h_elems, bm, en // 2)
@@ -187,7 +247,7 @@ class DSwiGLUEpilogue:
             return regs
 
         h_next = load_h(0)
-        for j in cutlass.range_constexpr(bn // en):
+        for j in ctx.sub_tiles():
             h_cur = h_next
             if const_expr(j + 1 < bn // en):
                 h_next = load_h(j + 1)  # in flight while sub-tile j is computed and stored

@@ -66,7 +66,7 @@ class GemmSpec:
         assert self.gather in (None, "a", "b")
         assert not (self.varlen == "m" and self.gather == "b")
         assert self.tile_m in (128, 256) and self.tile_k == 64
-        assert self.tile_n % self.epi_n == 0 and (self.tile_n // self.epi_n) % 2 == 0
+        assert self.epi_n in (16, 32) and self.tile_n % self.epi_n == 0
         # a ping-pong consumer holds a whole tile: 128 x tile_n fp32 over 128 threads (192 registers at most)
         assert not self.pingpong or self.tile_n <= 192
         # 256 rows: each cooperative warpgroup owns 128 of them; the row gather of 8 rows per thread assumes 128
@@ -628,6 +628,15 @@ class EpilogueContext:
         self.tid = tid
         self.nthreads = gemm.spec.epi_threads
         self.barrier = barrier
+
+    def sub_tiles(self):
+        """The epilogue sub-tiles j = 0, 1, ... of this tile. Sub-tile j stages into buffer j % 2; with an odd count
+        the next tile's sub-tile 0 would restage buffer 0 while slower threads still copy it out, so an odd count
+        ends with one more barrier."""
+        n = self.spec.tile_n // self.spec.epi_n
+        yield from range(n)
+        if n % 2:
+            self.barrier.arrive_and_wait()
 
     def pairs(self, j: int):
         bn, en = self.spec.tile_n, self.spec.epi_n

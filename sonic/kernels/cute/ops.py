@@ -31,7 +31,7 @@ from cutlass.cute.runtime import make_fake_tensor
 from cutlass.runtime import make_fake_stream
 
 from sonic.kernels.cute.aggregate import GatherSum, default_max_per_lane
-from sonic.kernels.cute.epilogue import DSwiGLUEpilogue, StoreEpilogue, SwiGLUEpilogue
+from sonic.kernels.cute.epilogue import DirectStoreEpilogue, DSwiGLUEpilogue, StoreEpilogue, SwiGLUEpilogue
 from sonic.kernels.cute.gemm import GemmSpec, GroupedGemm
 
 _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
@@ -110,7 +110,8 @@ def _options() -> str:
 
 @dataclass(frozen=True)
 class Config:
-    """Tile configuration of one kernel: output-tile width and height, consumer schedule, cluster.
+    """Tile configuration of one kernel: output-tile width (a multiple of 16 from 64 to 256) and height, consumer
+    schedule, cluster.
 
     "co256": cooperative, 128x256 tile split over both consumer warpgroups.
     "pp128": ping-pong, each warpgroup owns alternate 128x128 tiles.
@@ -144,8 +145,8 @@ TALL = ("down", "dx", "dw1")  # the kernels whose A operand is TMA-loaded (256-r
 def check_config(kind: str, cfg: Config) -> None:
     """A ValueError naming what a tile config cannot do on this kernel (before anything compiles)."""
     problem = None
-    if cfg.tile_n % 64 or not 64 <= cfg.tile_n <= 256:
-        problem = "the tile width must be 64, 128, 192 or 256"
+    if cfg.tile_n % 16 or not 64 <= cfg.tile_n <= 256:
+        problem = "the tile width must be a multiple of 16 from 64 to 256 (the epilogue stores 16-column sub-tiles)"
     elif cfg.pingpong and cfg.tile_n > 192:
         problem = "a ping-pong warpgroup holds its whole tile in registers: 192 columns at most"
     elif kind == "dw1" and cfg.tile_n & (cfg.tile_n - 1):
@@ -166,8 +167,12 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
     check_config(kind, cfg)
     dt = _DTYPES[dtype]
     tile_n, pp = cfg.tile_n, cfg.pingpong
-    # a 256-row tile stages 16-column epilogue sub-tiles: 32 would cost a ring stage of shared memory
-    tall = dict(tile_m=cfg.tile_m, epi_n=16) if cfg.tile_m == 256 else {}
+    # epilogue sub-tiles of 32 columns where they divide the tile (fewer barriers), else 16; a 256-row tile stages
+    # 16-column ones: 32 would cost a ring stage of shared memory
+    epi_n = 16 if cfg.tile_m == 256 or tile_n % 32 else 32
+    tile = dict(tile_m=cfg.tile_m, epi_n=epi_n)
+    # down and dX~ store from registers (DirectStoreEpilogue) in blocks of 32 columns; other widths stage
+    store = DirectStoreEpilogue() if tile_n % 32 == 0 else StoreEpilogue()
     F = 2 * N
     T, R = _sym(), _sym()
     i32 = cutlass.Int32
@@ -175,14 +180,14 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
     offsets = _fake(i32, (E + 1,), (1,))
     idx = _fake(i32, (R,), (1,))
     if kind == "up":  # H, A = SwiGLU(X[idx] W1^T)
-        spec = GemmSpec("m", "a", E, tile_n=tile_n, pingpong=pp, num_sms=sms)
+        spec = GemmSpec("m", "a", E, tile_n=tile_n, epi_n=epi_n, pingpong=pp, num_sms=sms)
         epi = SwiGLUEpilogue()
         a = _fake(dt, (T, D), (D, 1))
         b = _fake(dt, (F, D, E), (D, 1, F * D))
         args = (_fake(dt, (R, F), (F, 1)), _fake(dt, (R, N), (N, 1)))
     elif kind == "down":  # Y = A W2^T
-        spec = GemmSpec("m", None, E, tile_n=tile_n, pingpong=pp, cluster_n=cfg.cluster, num_sms=sms, **tall)
-        epi = StoreEpilogue()
+        spec = GemmSpec("m", None, E, tile_n=tile_n, pingpong=pp, cluster_n=cfg.cluster, num_sms=sms, **tile)
+        epi = store
         a = _fake(dt, (R, N), (N, 1))
         b = _fake(dt, (D, N, E), (N, 1, D * N))
         args = (_fake(dt, (R, D), (D, 1)),)
@@ -195,19 +200,19 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
         args = (_fake(dt, (R, F), (F, 1)), _fake(f32, (R,), (1,)), _fake(dt, (R, F), (F, 1)),
                 _fake(dt, (R, N), (N, 1)), _fake(f32, (n_tiles, R), (R, 1)))
     elif kind == "dx":  # dX~ = dH W1
-        spec = GemmSpec("m", None, E, tile_n=tile_n, pingpong=pp, cluster_n=cfg.cluster, num_sms=sms, **tall)
-        epi = StoreEpilogue()
+        spec = GemmSpec("m", None, E, tile_n=tile_n, pingpong=pp, cluster_n=cfg.cluster, num_sms=sms, **tile)
+        epi = store
         a = _fake(dt, (R, F), (F, 1))
         b = _fake(dt, (D, F, E), (1, D, F * D))
         args = (_fake(dt, (R, D), (D, 1)),)
     elif kind == "dw1":  # dW1_e = dH_e^T X[idx_e]   (M = F, N = D, K = rows of e)
-        spec = GemmSpec("k", "b", E, tile_n=tile_n, pingpong=pp, num_sms=sms, **tall)
+        spec = GemmSpec("k", "b", E, tile_n=tile_n, pingpong=pp, num_sms=sms, **tile)
         epi = StoreEpilogue()
         a = _fake(dt, (F, R), (1, F))
         b = _fake(dt, (D, T), (1, D))
         args = (_fake(dt, (F, D, E), (D, 1, F * D)),)
     elif kind == "dw2":  # dW2_e = dO[idx_e]^T A'_e   (M = D, N = N, K = rows of e)
-        spec = GemmSpec("k", "a", E, tile_n=tile_n, pingpong=pp, num_sms=sms)
+        spec = GemmSpec("k", "a", E, tile_n=tile_n, epi_n=epi_n, pingpong=pp, num_sms=sms)
         epi = StoreEpilogue()
         a = _fake(dt, (D, T), (1, D))
         b = _fake(dt, (N, R), (1, N))
