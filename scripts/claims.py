@@ -593,7 +593,9 @@ TABLES = (
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
           "sonic-moe 0.1.2.post1 layer (router included), one H200, one process, seven interleaved rounds "
           "(`bench.moe_block`); × is Sonic over official, from the medians and from each side's best round. "
-          "`+compile` is the block as the trainer runs it (`torch.compile`). The first four rows: above 128 experts "
+          "`+compile` is the block as the trainer runs it (`torch.compile`). The first row: down and dX~ store their "
+          "tiles from registers (`e75afe2`), one call, the official layer without its autotune cache. The next four "
+          "rows: above 128 experts "
           "the centring's forward by linearity (chunk sums, an rstd kernel, z = x Wᵀ in cuBLAS, the logits per "
           "chunk), the select kernel's top-K by sorting from K 16, the chunk sums in 128-wide blocks (`b1ca924`), "
           "two calls on one machine; the official 7B rounds ran faster there than in the next five rows' calls "
@@ -617,7 +619,9 @@ TABLES = (
           "kernels in 2-CTA clusters that multicast A, 192-wide ping-pong tiles (`db876d6`); the next six: before, "
           "the centring as one op; in the older rows the bench handed the block a 2-D input, so the "
           "centring read sequences of d tokens, not 4096 (the same work per token; fixed in `c2f35fb`).",
-          rows=tuple(Row(f"{config}, cute+compile",
+          rows=(Row("30B, cute+compile", "bench/results/2026-11-26-h200-moe_block-compiled-direct-store.json",
+                    {"config": "30B", "backend": "cute+compile"}),) + tuple(
+              Row(f"{config}, cute+compile",
                          f"bench/results/2026-11-25-h200-moe_block-compiled-centring-v2{suffix}.json",
                          {"config": config, "backend": "cute+compile"})
                      for config, suffix in (("Qwen3-Next", ""), ("30B", ""), ("OLMoE", "-7b-olmoe"),
@@ -673,6 +677,49 @@ TABLES = (
                          ("7B-E64 (2n 1024)", "7b-n512-down-dx", "dx"), ("7B-E64 (n 512)", "7b-n512-down-dx", "down"),
                          ("1.4B (2n 512)", "1.4b-down-dx", "dx"), ("7B (2n 512)", "7b-dx-dh", "dx"))),
           columns=sweep_columns("co256c2", "pp192c2", "pp128c2", "pp192")),
+    Table("cute_store", first="shape, kernel", caption="The down and dX~ kernels storing their tiles from "
+          "registers (`DirectStoreEpilogue`, `e75afe2`) against the staged store before, in ms: each kernel's default "
+          "config, three rounds alternating the order, do_bench medians, uniform top-K routing from random logits, "
+          "one H200, one process (a scratch A/B, its script in the file); the two outputs were bit-identical in "
+          "every row (the file's `identical`).",
+          rows=tuple(Row(f"{name}, {kernel}", "bench/results/2026-11-26-h200-cute-direct-store-ab.json",
+                         {"shape": shape, "kernel": kernel}, "rows")
+                     for name, shape in (("30B", "30b"), ("Qwen3-Next", "qwen3next"), ("7B", "7b"), ("OLMoE", "olmoe"))
+                     for kernel in ("down", "dx")),
+          columns=(Field("staged ms", "staged_ms", digits=3), Field("direct ms", "direct_ms", digits=3),
+                   Ratio("direct ÷ staged", "direct_ms", "staged_ms"))),
+    Table("cute_store_diag", first="shape, config", caption="Where the down-projection's time went before "
+          "(a scratch diagnostic on one H200, `f5912f0`'s kernels, its script in the file; ms, three rotated rounds, "
+          "do_bench medians): its staged store epilogue, the same with packed 32-bit staging stores, the staging "
+          "without the global copy-out, and no epilogue but one predicated store that keeps the accumulator live. "
+          "The copy-out, not the staging, was the cost: the direct store above removes its shared-memory round trip.",
+          rows=tuple(Row(f"{name}, {cfg}", "bench/results/2026-11-26-h200-down-epilogue-diag.json",
+                         {"shape": shape, "config": cfg}, "rows")
+                     for name, shape, cfg in (("30B", "30b", "pp192c2"), ("Qwen3-Next", "qwen3next", "pp192c2"),
+                                              ("Qwen3-Next", "qwen3next", "pp128c2"))),
+          columns=(Field("staged ms", "staged_ms", digits=3), Field("packed staging ms", "packed_staging_ms", digits=3),
+                   Field("no global store ms", "no_global_store_ms", digits=3),
+                   Field("no epilogue ms", "no_epilogue_ms", digits=3))),
+    Table("cute_store_tma", first="shape, kernel", caption="Tried and dropped: whole tiles stored by TMA bulk copies "
+          "from two swizzled staging buffers per warpgroup (partial tiles kept the thread stores), against the "
+          "staged thread store, in ms (the same A/B, `f5912f0` plus that epilogue, its text in the file). "
+          "Bit-identical and slower everywhere: before a buffer is restaged, its store must have read it, and the "
+          "store waits behind the mainloop's queued TMA loads.",
+          rows=tuple(Row(f"{name}, {kernel}", "bench/results/2026-11-26-h200-cute-tma-store-ab.json",
+                         {"shape": shape, "kernel": kernel}, "rows")
+                     for name, shape in (("30B", "30b"), ("Qwen3-Next", "qwen3next"), ("7B", "7b"), ("OLMoE", "olmoe"))
+                     for kernel in ("down", "dx")),
+          columns=(Field("staged ms", "staged_ms", digits=3), Field("TMA store ms", "tma_ms", digits=3),
+                   Ratio("TMA ÷ staged", "tma_ms", "staged_ms"))),
+    Table("cute_widths", first="shape, kernel", caption="Down-projection tile widths in ms before the direct store, "
+          "the official layer's kind (160, 176: widths that are not multiples of 64, possible since `e75afe2`) "
+          "among them (`python bench/cute_gemm.py --only down --rounds 3 --sweep ...`, one H200, staged store, "
+          "uniform top-K routing from random logits: a kernel diagnostic). Neither new width won; at Qwen3-Next the "
+          "128-wide pairs ran ahead of the default, which the block has not confirmed, so the default stays.",
+          rows=tuple(Row(f"{name}, down", f"bench/results/2026-11-26-h200-cute-sweep-{key}-widths.json",
+                         {"kernel": "down"}, "rows")
+                     for name, key in (("Qwen3-Next", "qwen3next"), ("30B", "30b"))),
+          columns=sweep_columns("pp192c2", "pp176c2", "pp160c2", "pp128c2")),
     Table("gather_sum", first="shape, sum", caption="The cute gather-sum by the 16-byte chunks a lane holds per "
           "column slice (`python -m bench.gather_sum`, one H200, `a521b6d`, do_bench medians with L2 flushed, seven "
           "interleaved rounds): 16 keeps a 4096-wide row whole, as the kernel did before. Weighted is the forward's "
