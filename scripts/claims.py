@@ -293,6 +293,13 @@ def sweep_columns(*configs: str) -> tuple[Field, ...]:
             Field("cuBLAS ms", "cublas_ms", digits=3))
 
 
+def store_ab_rows(file: str) -> tuple[Row, ...]:
+    """The rows of a down/dX~ store-epilogue A/B (a "rows" list keyed by shape and kernel), four shapes x both."""
+    return tuple(Row(f"{name}, {kernel}", file, {"shape": shape, "kernel": kernel}, "rows")
+                 for name, shape in (("30B", "30b"), ("Qwen3-Next", "qwen3next"), ("7B", "7b"), ("OLMoE", "olmoe"))
+                 for kernel in ("down", "dx"))
+
+
 def e2e(label: str, file: str, run: str) -> Row:
     return Row(label, f"bench/results/{file}", {"run": run})
 
@@ -682,10 +689,7 @@ TABLES = (
           "config, three rounds alternating the order, do_bench medians, uniform top-K routing from random logits, "
           "one H200, one process (a scratch A/B, its script in the file); the two outputs were bit-identical in "
           "every row (the file's `identical`).",
-          rows=tuple(Row(f"{name}, {kernel}", "bench/results/2026-11-26-h200-cute-direct-store-ab.json",
-                         {"shape": shape, "kernel": kernel}, "rows")
-                     for name, shape in (("30B", "30b"), ("Qwen3-Next", "qwen3next"), ("7B", "7b"), ("OLMoE", "olmoe"))
-                     for kernel in ("down", "dx")),
+          rows=store_ab_rows("bench/results/2026-11-26-h200-cute-direct-store-ab.json"),
           columns=(Field("staged ms", "staged_ms", digits=3), Field("direct ms", "direct_ms", digits=3),
                    Ratio("direct ÷ staged", "direct_ms", "staged_ms"))),
     Table("cute_store_diag", first="shape, config", caption="Where the down-projection's time went before "
@@ -705,10 +709,7 @@ TABLES = (
           "staged thread store, in ms (the same A/B, `f5912f0` plus that epilogue, its text in the file). "
           "Bit-identical and slower everywhere: before a buffer is restaged, its store must have read it, and the "
           "store waits behind the mainloop's queued TMA loads.",
-          rows=tuple(Row(f"{name}, {kernel}", "bench/results/2026-11-26-h200-cute-tma-store-ab.json",
-                         {"shape": shape, "kernel": kernel}, "rows")
-                     for name, shape in (("30B", "30b"), ("Qwen3-Next", "qwen3next"), ("7B", "7b"), ("OLMoE", "olmoe"))
-                     for kernel in ("down", "dx")),
+          rows=store_ab_rows("bench/results/2026-11-26-h200-cute-tma-store-ab.json"),
           columns=(Field("staged ms", "staged_ms", digits=3), Field("TMA store ms", "tma_ms", digits=3),
                    Ratio("TMA ÷ staged", "tma_ms", "staged_ms"))),
     Table("cute_widths", first="shape, kernel", caption="Down-projection tile widths in ms before the direct store, "
