@@ -47,7 +47,8 @@
 #   .whl   wheels: hydra-core, omegaconf, antlr4-python3-runtime (needed), liger-kernel and
 #          cut-cross-entropy (optional loss backends); installed into /tmp/site by every call
 #   .gpu   the CuTe DSL + official sonic-moe bundle (../shared/gpu/bundle.sh, two calls), for cute
-#          and for the official baseline; found at /root/gpu once unpacked
+#          and for the official baseline; found at /root/gpu once unpacked. Call 1 (carry .gpu/a) only copies
+#          .gpu/a/part to /root/gpu/part.a; any stage run with .gpu/b carried unpacks the two itself
 #   .quack_cache  the official layer's autotune results per GPU kind (optional; without them the official
 #          layer tunes again on its first call per config). After a block call, unpack what it returned
 #          here (mkdir -p .quack_cache && tar -xzf <returned>/quack_cache-h100.tar.gz -C .quack_cache)
@@ -60,6 +61,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT="${OUT:-/tmp/sonic-out}"; mkdir -p "$OUT"
 if [ -d .whl ] && ! python3 -c "import hydra" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+# the bundle's second half, carried as .gpu/b after call 1 left the first at /root/gpu/part.a (../shared/gpu/bundle.sh)
+if [ ! -d /root/gpu/site-packages ] && [ -f /root/gpu/part.a ] && [ -f .gpu/b/part ]; then
+  cat /root/gpu/part.a .gpu/b/part | xz -dc | tar x -C /root/gpu || echo "the CuTe DSL bundle did not unpack" >&2
 fi
 SITE="/tmp/site"
 [ -d /root/gpu/site-packages ] && SITE="$SITE:/root/gpu/site-packages:/root/gpu/site-packages/nvidia_cutlass_dsl/dsl_packages"
