@@ -717,8 +717,8 @@ TABLES = (
           "among them (`python bench/cute_gemm.py --only down --rounds 3 --sweep ...`, one H200, staged store, "
           "uniform top-K routing from random logits: a kernel diagnostic). Neither new width won; at Qwen3-Next the "
           "128-wide pairs ran ahead of the default, which the block has not confirmed, so the default stays.",
-          rows=tuple(Row(f"{name}, down", f"bench/results/2026-11-26-h200-cute-sweep-{key}-widths.json",
-                         {"kernel": "down"}, "rows")
+          rows=tuple(Row(f"{name}, down", "bench/results/2026-11-26-h200-cute-sweep-down-widths.json",
+                         {"kernel": "down"}, f"sweeps.{key}.rows")
                      for name, key in (("Qwen3-Next", "qwen3next"), ("30B", "30b"))),
           columns=sweep_columns("pp192c2", "pp176c2", "pp160c2", "pp128c2")),
     Table("gather_sum", first="shape, sum", caption="The cute gather-sum by the 16-byte chunks a lane holds per "

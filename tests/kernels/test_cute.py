@@ -225,7 +225,8 @@ def test_every_default_config_fits_its_kernel_on_every_benchmarked_shape():
 def test_configs_a_kernel_cannot_run_are_refused():
     from sonic.kernels.cute import ops
     for kind, cfg, why in (("up", "co256c2", "only down and dx"), ("dw1", "co192", "power of two"),
-                           ("down", "pp256", "192 columns at most"), ("dx", "co88", "multiple of 16"), ("down", "co48", "from 64 to 256"),
+                           ("down", "pp256", "192 columns at most"), ("dx", "co88", "multiple of 16"),
+                           ("down", "co48", "from 64 to 256"),
                            ("up", "co128m256", "only down, dx, dw1"), ("dw1", "co256m256", "at most 128 wide"),
                            ("dx", "pp128m256", "cooperative")):
         with pytest.raises(ValueError, match=why):
