@@ -205,6 +205,45 @@ def test_every_tile_config(cfg):
 
 @pytest.mark.gpu
 @needs_cute
+def test_direct_and_staged_stores_write_the_same_bits():
+    """Every kernel with a register-direct store (up, down, dX~, dW1, dW2 at their default configs) against the same
+    config staged ("s"), partial tiles and experts without rows included: bit for bit, every output written."""
+    from sonic.kernels.cute import ops
+    T, D, N, E, K = SHAPES[1]
+    plan = make_plan(T, E, K, "empty", seed=5)
+    x, w1, w2 = inputs(T, D, N, E, seed=13)
+    R = plan.num_rows
+    tok, off = plan.token_idx_R, plan.expert_offsets_E1
+    g = torch.Generator(device="cuda").manual_seed(9)
+    dh = torch.randn(R, 2 * N, device="cuda", generator=g).bfloat16()
+    act = torch.randn(R, N, device="cuda", generator=g).bfloat16()
+    dout = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+
+    def run(suffix):
+        cfg = {k: str(ops.default_config(k, D, N)) + suffix for k in ("up", "down", "dx", "dw1", "dw2")}
+        return (*ops.up_proj(x, w1, tok, off, cfg=cfg["up"], out=(poisoned(R, 2 * N), poisoned(R, N))),
+                ops.down_proj(act, w2, off, tok, cfg=cfg["down"], out=poisoned(R, D)),
+                ops.dx_rows(dh, w1, off, tok, cfg=cfg["dx"], out=poisoned(R, D)),
+                ops.dw1(dh, x, tok, off, E, cfg=cfg["dw1"], out=poisoned(E, 2 * N, D)),
+                ops.dw2(dout, act, tok, off, E, cfg=cfg["dw2"], out=poisoned(E, D, N)))
+
+    for name, direct, staged in zip(("H", "A", "Y", "dX~", "dW1", "dW2"), run(""), run("s")):
+        assert torch.equal(direct, staged), name  # NaN (an unwritten element) never equals itself
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_config_strings_round_trip():
+    from sonic.kernels.cute import ops
+    for text in ("co256", "pp128", "pp192c2", "co128m256c2", "pp176", "pp192c2s", "co128m256s"):
+        assert str(ops.Config.parse(text)) == text
+    assert ops.Config.parse("pp192c2s").staged and not ops.Config.parse("pp192c2").staged
+    with pytest.raises(ValueError, match="s \\(a staged store\\)"):
+        ops.Config.parse("pp192x")
+
+
+@pytest.mark.gpu
+@needs_cute
 def test_every_default_config_fits_its_kernel_on_every_benchmarked_shape():
     """The defaults chosen by shape (ops.default_config) pass ops.check_config on every Table 9b and real-model
     shape, so no shape a user benchmarks or trains meets a refusal from a default (nothing compiles here)."""
@@ -287,6 +326,25 @@ def test_layer_forward_backward(routing, monkeypatch):
         assert rel_err(g, r) < BF16_TOL, name
     bf16_ref = _layer("reference", x, w1, w2, plan, dout)
     assert got[5] == bf16_ref[5], "saved bytes differ from the reference's"
+
+
+@pytest.mark.gpu
+@needs_cute
+def test_layer_forward_backward_fp16(monkeypatch):
+    """fp16 activations and weights: every kernel writes fp16 (the staged epilogues once staged bf16 bits, which
+    an fp16 tensor then read as garbage). Staged and direct stores both run: dH always stages."""
+    from sonic.kernels.cute import function
+    from tests.conftest import poisoned_empty
+
+    monkeypatch.setattr(function, "_alloc", poisoned_empty)
+    T, D, N, E, K = 640, 256, 128, 8, 2
+    plan = make_plan(T, E, K, "skewed", seed=22)
+    x, w1, w2 = (t.half() for t in inputs(T, D, N, E, seed=5))
+    dout = torch.randn(T, D, device="cuda").half()
+    got = _layer("cute", x, w1, w2, plan, dout)
+    ref = _layer("reference", x.float(), w1.float(), w2.float(), plan, dout.float())
+    for name, g, r in zip(("O", "dX", "dW1", "dW2", "dS"), got[:5], ref[:5]):
+        assert g.dtype in (torch.float16, torch.float32) and rel_err(g, r) < BF16_TOL, name
 
 
 @pytest.mark.gpu

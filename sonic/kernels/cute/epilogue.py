@@ -5,11 +5,14 @@ i = v0 + 2*v1 + 4*nb + (tile_n/2)*mm sits at tile row r0 + 8*v1 + 64*mm (128*mm 
 cooperative tile) and column c0 + v0 + 8*nb, with (r0, c0) the thread's first coordinate
 (MMA_M = 2 when one ping-pong warpgroup owns all 128 rows, or a cooperative one 128 of 256).
 Registers 2j and 2j+1 are therefore adjacent columns of one row, which is what makes the
-interleaved gate/up SwiGLU layout thread-local. Epilogues read rows and columns from the
-identity fragment, never from this formula.
+interleaved gate/up SwiGLU layout thread-local. The staged epilogues read rows and columns from
+the identity fragment, never from this formula; the direct ones (DirectStoreEpilogue,
+DirectSwiGLUEpilogue) take rows from it but rely on the formula's columns, c0 = 2 * (lane % 4):
+the 4 lanes of a quad share a row and hold its 8-column blocks between them, which their
+transposes regroup (the staged-vs-direct test compares the two bit for bit).
 
-An epilogue walks the tile in sub-tiles of `epi_n` columns: it writes bf16 results into a
-padded shared-memory staging tile (conflict-free 32-bit stores), waits on the consumer
+A staged epilogue walks the tile in sub-tiles of `epi_n` columns: it writes results (in the output's
+16-bit type) into a padded shared-memory staging tile (conflict-free 32-bit stores), waits on the consumer
 named barrier, then the epilogue's threads (one or both consumer warpgroups) copy the
 staging tile out with 16-byte stores predicated on the expert's last row. Two staging buffers alternate, so one barrier per
 sub-tile suffices (and one more per tile where the count of sub-tiles is odd: `EpilogueContext.sub_tiles`).
@@ -20,16 +23,16 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Uint32, const_expr
+from cutlass import Float32, Int32, Uint32, const_expr
 
 
 LOG2E = math.log2(math.e)
 PAD = 8  # elements of row padding in the staging tiles (16 bytes)
 
 
-def _staging(sEpi: cute.Tensor, offset: int, rows: int, cols: int) -> cute.Tensor:
-    """A (rows, cols) bf16 tile with padded rows, carved out of the epilogue smem."""
-    return cute.make_tensor(sEpi.iterator + offset,
+def _staging(sEpi: cute.Tensor, offset: int, rows: int, cols: int, dt) -> cute.Tensor:
+    """A (rows, cols) tile of the 16-bit output type dt with padded rows, carved out of the epilogue smem."""
+    return cute.make_tensor(cute.recast_ptr(sEpi.iterator + offset, dtype=dt),
                             cute.make_layout((rows, cols), stride=(cols + PAD, 1)))
 
 
@@ -93,22 +96,23 @@ class StoreEpilogue:
             cols_valid = mC.shape[1] - col0
         buf_elems = _staging_elems(bm, en)
         for j in ctx.sub_tiles():
-            sC = _staging(ctx.sEpi, (j % 2) * buf_elems, bm, en)
+            sC = _staging(ctx.sEpi, (j % 2) * buf_elems, bm, en, mC.element_type)
             for i, r, c in ctx.pairs(j):
-                sC[r, c] = ctx.acc[i].to(BFloat16)
-                sC[r, c + 1] = ctx.acc[i + 1].to(BFloat16)
+                sC[r, c] = ctx.acc[i].to(mC.element_type)
+                sC[r, c + 1] = ctx.acc[i + 1].to(mC.element_type)
             ctx.barrier.arrive_and_wait()
             _copy_out(ctx, sC, cute.domain_offset((0, j * en), gC), rows_valid, cols_valid - j * en)
 
 
 class DirectStoreEpilogue(StoreEpilogue):
-    """varlen-M C (down-projection Y, dX~) stored from registers, with no shared memory and no barrier.
+    """StoreEpilogue's C stored from registers, with no shared memory and no barrier (down-projection Y, dX~, dW1,
+    dW2; args as StoreEpilogue's).
 
     A row's 8 consecutive columns are spread over the 4 lanes of a quad (2 each, per 8-column block nb); a
     4 x 4 transpose of packed column pairs over 4 nb blocks (two butterfly shuffle stages) gives each lane the 8
     columns of one block, which it stores in 16 bytes: a warp writes 8 rows x 64 bytes, as the staged copy-out did,
-    without its shared-memory round trip, which cost the down-projection 16-21% at n = 512
-    (bench/results/2026-11-26-h200-down-epilogue-diag.json). Needs tile_n % 32 == 0. args = (mC (R, N),)."""
+    without its shared-memory round trip, which cost the down-projection 13-21% at n = 512
+    (bench/results/2026-11-26-h200-down-epilogue-diag.json). Needs tile_n % 32 == 0."""
 
     def smem_elems(self, spec) -> int:
         return 64  # unused: a shared-storage member cannot be empty
@@ -116,12 +120,17 @@ class DirectStoreEpilogue(StoreEpilogue):
     @cute.jit
     def apply(self, ctx):
         spec = ctx.spec
-        bn = spec.tile_n
+        bm, bn = spec.tile_m, spec.tile_n
         assert bn % 32 == 0, "the quad transpose takes 4 blocks of 8 columns at a time"
         mC = ctx.args[0]
         dt = mC.element_type
         col0 = ctx.nt * bn
-        gC = cute.domain_offset((ctx.start, col0), mC)
+        if const_expr(spec.varlen == "m"):
+            gC = cute.domain_offset((ctx.start, col0), mC)
+            rows_valid = ctx.length
+        else:
+            gC = cute.domain_offset((ctx.mt * bm, col0), mC[None, None, ctx.expert])
+            rows_valid = mC.shape[0] - ctx.mt * bm
         cols_valid = mC.shape[1] - col0
         q = cute.arch.lane_idx() % 4
         for mm in cutlass.range_constexpr(cute.size(ctx.acc, mode=[1])):
@@ -133,16 +142,21 @@ class DirectStoreEpilogue(StoreEpilogue):
                          for k in range(4)]
                     m = _quad_transpose(m, q)  # m[k]: columns 2k, 2k + 1 of block 4g + q
                     col = 8 * (4 * g + q)
-                    if row < ctx.length and col < cols_valid:
-                        out = cute.make_rmem_tensor((4,), Uint32)
-                        for k in cutlass.range_constexpr(4):
-                            out[k] = m[k]
-                        dst = _aligned(cute.local_tile(gC[row, None], (8,), (col // 8,)), 16)
-                        cute.autovec_copy(cute.recast_tensor(out, dt), dst)
+                    if row < rows_valid and col < cols_valid:
+                        _store16(gC, row, col, m, dt)
 
 
-def _pack(a: Float32, b: Float32, dt) -> Uint32:
-    """Two accumulator values as one 32-bit word of two 16-bit floats (a in the low half)."""
+def _store16(gC: cute.Tensor, row, col, words: list, dt):
+    """Four 32-bit words (8 16-bit values) to columns col..col+7 of row `row`, one 16-byte store."""
+    out = cute.make_rmem_tensor((4,), Uint32)
+    for k in cutlass.range_constexpr(4):
+        out[k] = words[k]
+    dst = _aligned(cute.local_tile(gC[row, None], (8,), (col // 8,)), 16)
+    cute.autovec_copy(cute.recast_tensor(out, dt), dst)
+
+
+def _pack(a, b, dt) -> Uint32:
+    """Two values as one 32-bit word of two 16-bit floats of type dt (a in the low half)."""
     v = cute.make_rmem_tensor((2,), dt)
     v[0] = a.to(dt)
     v[1] = b.to(dt)
@@ -176,6 +190,7 @@ class SwiGLUEpilogue:
         spec = ctx.spec
         bm, bn, en = spec.tile_m, spec.tile_n, spec.epi_n
         mH, mAct = ctx.args[0], ctx.args[1]
+        dt = mH.element_type
         col0 = ctx.nt * bn
         gH = cute.domain_offset((ctx.start, col0), mH)
         gA = cute.domain_offset((ctx.start, col0 // 2), mAct)
@@ -183,19 +198,71 @@ class SwiGLUEpilogue:
         a_elems = _staging_elems(bm, en // 2)
         for j in ctx.sub_tiles():
             base = (j % 2) * (h_elems + a_elems)
-            sH = _staging(ctx.sEpi, base, bm, en)
-            sA = _staging(ctx.sEpi, base + h_elems, bm, en // 2)
+            sH = _staging(ctx.sEpi, base, bm, en, dt)
+            sA = _staging(ctx.sEpi, base + h_elems, bm, en // 2, dt)
             for i, r, c in ctx.pairs(j):
-                gate = ctx.acc[i].to(BFloat16)
-                up = ctx.acc[i + 1].to(BFloat16)
+                gate = ctx.acc[i].to(dt)
+                up = ctx.acc[i + 1].to(dt)
                 sH[r, c] = gate
                 sH[r, c + 1] = up
                 g = gate.to(Float32)
-                sA[r, c // 2] = (g * _sigmoid(g) * up.to(Float32)).to(BFloat16)
+                sA[r, c // 2] = (g * _sigmoid(g) * up.to(Float32)).to(dt)
             ctx.barrier.arrive_and_wait()
             _copy_out(ctx, sH, cute.domain_offset((0, j * en), gH), ctx.length, mH.shape[1] - col0 - j * en)
             _copy_out(ctx, sA, cute.domain_offset((0, j * en // 2), gA), ctx.length,
                       mAct.shape[1] - col0 // 2 - j * en // 2)
+
+
+class DirectSwiGLUEpilogue(SwiGLUEpilogue):
+    """SwiGLUEpilogue's H and A stored from registers, as DirectStoreEpilogue stores C (needs tile_n % 64 == 0).
+
+    H: each 4 blocks of 8 columns, one quad transpose, as C. A: a register pair (gate, up) makes one A value, so a
+    lane holds A column 4 nb + q of each block nb; pairing blocks 2k, 2k + 1 into word k over 8 blocks, a quad
+    transpose gives lane q A columns 8q + m (low halves) and 8q + 4 + m (high halves) of the 32 those blocks
+    cover, which one permutation of halves puts in order for a 16-byte store. A is computed from the
+    bf16-rounded H, exactly as SwiGLUEpilogue (and the backward) computes it."""
+
+    def smem_elems(self, spec) -> int:
+        return 64  # unused: a shared-storage member cannot be empty
+
+    @cute.jit
+    def apply(self, ctx):
+        bn = ctx.spec.tile_n
+        assert bn % 64 == 0, "A's transpose takes 8 blocks of 8 H columns at a time"
+        mH, mAct = ctx.args[0], ctx.args[1]
+        dt = mH.element_type
+        col0 = ctx.nt * bn
+        gH = cute.domain_offset((ctx.start, col0), mH)
+        gA = cute.domain_offset((ctx.start, col0 // 2), mAct)
+        h_valid = mH.shape[1] - col0
+        a_valid = mAct.shape[1] - col0 // 2
+        q = cute.arch.lane_idx() % 4
+        lo = Uint32(0xFFFF)
+        hi = Uint32(0xFFFF0000)
+        for mm in cutlass.range_constexpr(cute.size(ctx.acc, mode=[1])):
+            for v1 in cutlass.range_constexpr(2):
+                i0 = 2 * v1 + (bn // 2) * mm  # registers of one row: i0 + v0 + 4 * nb
+                row = ctx.tCcC[i0][0]
+                ok = row < ctx.length
+                for g in cutlass.range_constexpr(bn // 64):
+                    h_words, a_vals = [], []
+                    for nb in range(8 * g, 8 * g + 8):
+                        gate = ctx.acc[i0 + 4 * nb].to(dt)
+                        up = ctx.acc[i0 + 4 * nb + 1].to(dt)
+                        h_words.append(_pack(gate, up, dt))
+                        gf = gate.to(Float32)
+                        a_vals.append(gf * _sigmoid(gf) * up.to(Float32))
+                    for half in cutlass.range_constexpr(2):  # H blocks 8g + 4 half + (0..3)
+                        m = _quad_transpose(h_words[4 * half:4 * half + 4], q)
+                        col = 8 * (8 * g + 4 * half + q)
+                        if ok and col < h_valid:
+                            _store16(gH, row, col, m, dt)
+                    t = _quad_transpose([_pack(a_vals[2 * k], a_vals[2 * k + 1], dt) for k in range(4)], q)
+                    words = [(t[0] & lo) | (t[1] << 16), (t[2] & lo) | (t[3] << 16),
+                             (t[0] >> 16) | (t[1] & hi), (t[2] >> 16) | (t[3] & hi)]
+                    col = 32 * g + 8 * q
+                    if ok and col < a_valid:
+                        _store16(gA, row, col, words, dt)
 
 
 class DSwiGLUEpilogue:
@@ -218,6 +285,7 @@ class DSwiGLUEpilogue:
         spec = ctx.spec
         bm, bn, en = spec.tile_m, spec.tile_n, spec.epi_n
         mH, mS, mDH, mAp, mDS = ctx.args
+        dt = mDH.element_type
         col0 = ctx.nt * bn
         gH = cute.domain_offset((ctx.start, 2 * col0), mH)
         gDH = cute.domain_offset((ctx.start, 2 * col0), mDH)
@@ -235,13 +303,13 @@ class DSwiGLUEpilogue:
         ap_elems = _staging_elems(bm, en)
 
         def load_h(j):
-            """Issue the H loads of sub-tile j (4 bf16 behind each register pair)."""
+            """Issue the H loads of sub-tile j (the 4 values behind each register pair)."""
             regs = []
             for i, r, c in ctx.pairs(j):
                 # clamp to a valid row / column group: those values only feed masked stores
                 hcol = cutlass.min(2 * (col0 + j * en + c), mH.shape[1] - 4) - 2 * col0
                 hrow = _aligned(cute.local_tile(gH[cutlass.min(r, last), None], (4,), (hcol // 4,)), 8)
-                h = cute.make_rmem_tensor((4,), BFloat16)
+                h = cute.make_rmem_tensor((4,), mH.element_type)
                 cute.autovec_copy(hrow, h)
                 regs.append(h)
             return regs
@@ -252,8 +320,8 @@ class DSwiGLUEpilogue:
             if const_expr(j + 1 < bn // en):
                 h_next = load_h(j + 1)  # in flight while sub-tile j is computed and stored
             base = (j % 2) * (dh_elems + ap_elems)
-            sDH = _staging(ctx.sEpi, base, bm, 2 * en)
-            sAp = _staging(ctx.sEpi, base + dh_elems, bm, en)
+            sDH = _staging(ctx.sEpi, base, bm, 2 * en, dt)
+            sAp = _staging(ctx.sEpi, base + dh_elems, bm, en, dt)
             for p_, (i, r, c) in enumerate(ctx.pairs(j)):
                 q = 2 * (i // (bn // 2)) + (i // 2) % 2
                 h = h_cur[p_]
@@ -266,9 +334,9 @@ class DSwiGLUEpilogue:
                     da_prime = ctx.acc[i + k]
                     ds[q] += da_prime * a
                     da = score[q] * da_prime
-                    sDH[r, 2 * (c + k)] = (da * up * (sig + silu * (1.0 - sig))).to(BFloat16)
-                    sDH[r, 2 * (c + k) + 1] = (da * silu).to(BFloat16)
-                    sAp[r, c + k] = (score[q] * a).to(BFloat16)
+                    sDH[r, 2 * (c + k)] = (da * up * (sig + silu * (1.0 - sig))).to(dt)
+                    sDH[r, 2 * (c + k) + 1] = (da * silu).to(dt)
+                    sAp[r, c + k] = (score[q] * a).to(dt)
             ctx.barrier.arrive_and_wait()
             _copy_out(ctx, sDH, cute.domain_offset((0, 2 * j * en), gDH), ctx.length,
                       mDH.shape[1] - 2 * (col0 + j * en))

@@ -31,7 +31,8 @@ from cutlass.cute.runtime import make_fake_tensor
 from cutlass.runtime import make_fake_stream
 
 from sonic.kernels.cute.aggregate import GatherSum, default_max_per_lane
-from sonic.kernels.cute.epilogue import DirectStoreEpilogue, DSwiGLUEpilogue, StoreEpilogue, SwiGLUEpilogue
+from sonic.kernels.cute.epilogue import (DirectStoreEpilogue, DirectSwiGLUEpilogue, DSwiGLUEpilogue, StoreEpilogue,
+                                         SwiGLUEpilogue)
 from sonic.kernels.cute.gemm import GemmSpec, GroupedGemm
 
 _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
@@ -118,24 +119,30 @@ class Config:
     "pp192c2": ping-pong 128x192 tiles, CTAs in pairs that share (multicast) their A tile; only the
     kernels whose A is TMA-loaded (down, dx).
     "co128m256": cooperative 256x128 tiles, 128 rows per warpgroup; only the kernels whose A is TMA-loaded
-    (down, dx, dw1). Against co256 it moves a tile's loads from B to A: dw1 gathers half the B rows per MMA."""
+    (down, dx, dw1). Against co256 it moves a tile's loads from B to A: dw1 gathers half the B rows per MMA.
+    A trailing "s" (e.g. "pp192c2s") stages the tile through shared memory on its way out, as every kernel did
+    before the register-direct stores (epilogue.DirectStoreEpilogue, DirectSwiGLUEpilogue): dH always does, and
+    so do widths the direct stores cannot take (not a multiple of 32; of 64 for the up-projection)."""
     tile_n: int
     pingpong: bool
     cluster: int = 1
     tile_m: int = 128
+    staged: bool = False
 
     @staticmethod
     def parse(text: str) -> "Config":
-        head = text.removesuffix("c2")
+        body = text.removesuffix("s")
+        head = body.removesuffix("c2")
         head, _, rows = head.partition("m")
         if head[:2] not in ("co", "pp") or not head[2:].isdigit() or rows not in ("", "256"):
             raise ValueError(f"tile config {text!r}: expected co<tile_n> or pp<tile_n>, optionally followed by m256 "
-                             f"(256-row tiles) and c2 (a 2-CTA cluster), e.g. pp128, pp192c2 or co128m256c2")
-        return Config(int(head[2:]), head[:2] == "pp", 2 if text.endswith("c2") else 1, int(rows or 128))
+                             f"(256-row tiles), c2 (a 2-CTA cluster) and s (a staged store), e.g. pp128, pp192c2, "
+                             f"co128m256c2 or pp192c2s")
+        return Config(int(head[2:]), head[:2] == "pp", 2 if body.endswith("c2") else 1, int(rows or 128), body != text)
 
     def __str__(self) -> str:
         return (f"{'pp' if self.pingpong else 'co'}{self.tile_n}" + (f"m{self.tile_m}" if self.tile_m != 128 else "")
-                + ("c2" if self.cluster == 2 else ""))
+                + ("c2" if self.cluster == 2 else "") + ("s" if self.staged else ""))
 
 
 CLUSTERED = ("down", "dx")  # the varlen-M kernels whose A operand is TMA-loaded (multicast in a cluster)
@@ -171,8 +178,10 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
     # 16-column ones: 32 would cost a ring stage of shared memory
     epi_n = 16 if cfg.tile_m == 256 or tile_n % 32 else 32
     tile = dict(tile_m=cfg.tile_m, epi_n=epi_n)
-    # down and dX~ store from registers (DirectStoreEpilogue) in blocks of 32 columns; other widths stage
-    store = DirectStoreEpilogue() if tile_n % 32 == 0 else StoreEpilogue()
+    # tiles leave from registers (epilogue.DirectStoreEpilogue: blocks of 32 columns; DirectSwiGLUEpilogue: 64)
+    # unless the config asks to stage them or the width does not divide
+    store = DirectStoreEpilogue() if not cfg.staged and tile_n % 32 == 0 else StoreEpilogue()
+    swiglu = DirectSwiGLUEpilogue() if not cfg.staged and tile_n % 64 == 0 else SwiGLUEpilogue()
     F = 2 * N
     T, R = _sym(), _sym()
     i32 = cutlass.Int32
@@ -181,7 +190,7 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
     idx = _fake(i32, (R,), (1,))
     if kind == "up":  # H, A = SwiGLU(X[idx] W1^T)
         spec = GemmSpec("m", "a", E, tile_n=tile_n, epi_n=epi_n, pingpong=pp, num_sms=sms)
-        epi = SwiGLUEpilogue()
+        epi = swiglu
         a = _fake(dt, (T, D), (D, 1))
         b = _fake(dt, (F, D, E), (D, 1, F * D))
         args = (_fake(dt, (R, F), (F, 1)), _fake(dt, (R, N), (N, 1)))
@@ -207,13 +216,13 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
         args = (_fake(dt, (R, D), (D, 1)),)
     elif kind == "dw1":  # dW1_e = dH_e^T X[idx_e]   (M = F, N = D, K = rows of e)
         spec = GemmSpec("k", "b", E, tile_n=tile_n, pingpong=pp, num_sms=sms, **tile)
-        epi = StoreEpilogue()
+        epi = store
         a = _fake(dt, (F, R), (1, F))
         b = _fake(dt, (D, T), (1, D))
         args = (_fake(dt, (F, D, E), (D, 1, F * D)),)
     elif kind == "dw2":  # dW2_e = dO[idx_e]^T A'_e   (M = D, N = N, K = rows of e)
         spec = GemmSpec("k", "a", E, tile_n=tile_n, epi_n=epi_n, pingpong=pp, num_sms=sms)
-        epi = StoreEpilogue()
+        epi = store
         a = _fake(dt, (D, T), (1, D))
         b = _fake(dt, (N, R), (1, N))
         args = (_fake(dt, (D, N, E), (N, 1, D * N)),)
