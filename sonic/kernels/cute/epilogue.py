@@ -149,7 +149,7 @@ class DirectStoreEpilogue(StoreEpilogue):
 def _store16(gC: cute.Tensor, row, col, words: list, dt):
     """Four 32-bit words (8 16-bit values) to columns col..col+7 of row `row`, one 16-byte store."""
     out = cute.make_rmem_tensor((4,), Uint32)
-    for k in cutlass.range_constexpr(4):
+    for k in range(4):  # a plain helper (not preprocessed): this loop unrolls as Python
         out[k] = words[k]
     dst = _aligned(cute.local_tile(gC[row, None], (8,), (col // 8,)), 16)
     cute.autovec_copy(cute.recast_tensor(out, dt), dst)
@@ -246,7 +246,8 @@ class DirectSwiGLUEpilogue(SwiGLUEpilogue):
                 ok = row < ctx.length
                 for g in cutlass.range_constexpr(bn // 64):
                     h_words, a_vals = [], []
-                    for nb in range(8 * g, 8 * g + 8):
+                    for k in cutlass.range_constexpr(8):
+                        nb = 8 * g + k
                         gate = ctx.acc[i0 + 4 * nb].to(dt)
                         up = ctx.acc[i0 + 4 * nb + 1].to(dt)
                         h_words.append(_pack(gate, up, dt))
