@@ -600,8 +600,10 @@ TABLES = (
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
           "sonic-moe 0.1.2.post1 layer (router included), one H200, one process, seven interleaved rounds "
           "(`bench.moe_block`); × is Sonic over official, from the medians and from each side's best round. "
-          "`+compile` is the block as the trainer runs it (`torch.compile`). The first row: down and dX~ store their "
-          "tiles from registers (`e75afe2`), one call, the official layer without its autotune cache. The next four "
+          "`+compile` is the block as the trainer runs it (`torch.compile`). The third row: down and dX~ store their "
+          "tiles from registers (`e75afe2`), one call, the official layer without its autotune cache. The two before it: "
+          "up, dW1 and dW2 store from registers too (`922a9e2`), one call, the official layer without its cache. The "
+          "next four "
           "rows: above 128 experts "
           "the centring's forward by linearity (chunk sums, an rstd kernel, z = x Wᵀ in cuBLAS, the logits per "
           "chunk), the select kernel's top-K by sorting from K 16, the chunk sums in 128-wide blocks (`b1ca924`), "
@@ -626,8 +628,10 @@ TABLES = (
           "kernels in 2-CTA clusters that multicast A, 192-wide ping-pong tiles (`db876d6`); the next six: before, "
           "the centring as one op; in the older rows the bench handed the block a 2-D input, so the "
           "centring read sequences of d tokens, not 4096 (the same work per token; fixed in `c2f35fb`).",
-          rows=(Row("30B, cute+compile", "bench/results/2026-11-26-h200-moe_block-compiled-direct-store.json",
-                    {"config": "30B", "backend": "cute+compile"}),) + tuple(
+          rows=tuple(Row(f"{config}, cute+compile", "bench/results/2026-11-26-h200-moe_block-compiled-direct-swiglu.json",
+                         {"config": config, "backend": "cute+compile"}) for config in ("30B", "Qwen3-Next")) + (
+              Row("30B, cute+compile", "bench/results/2026-11-26-h200-moe_block-compiled-direct-store.json",
+                  {"config": "30B", "backend": "cute+compile"}),) + tuple(
               Row(f"{config}, cute+compile",
                          f"bench/results/2026-11-25-h200-moe_block-compiled-centring-v2{suffix}.json",
                          {"config": config, "backend": "cute+compile"})
@@ -692,6 +696,17 @@ TABLES = (
           rows=store_ab_rows("bench/results/2026-11-26-h200-cute-direct-store-ab.json"),
           columns=(Field("staged ms", "staged_ms", digits=3), Field("direct ms", "direct_ms", digits=3),
                    Ratio("direct ÷ staged", "direct_ms", "staged_ms"))),
+    Table("cute_store_up", first="shape, kernel", caption="The up-projection (H and A, `DirectSwiGLUEpilogue`), dW1 "
+          "and dW2 storing from registers (`922a9e2`) against the staged store, in ms: each kernel's default config "
+          "and the same with a trailing `s` (staged), `python bench/cute_gemm.py --only up,dw1,dw2 --rounds 3 --sweep "
+          "...` (three rounds alternating the order, do_bench medians, uniform top-K routing from random logits), one "
+          "H200, one process. The GPU tests compare the two stores bit for bit (`test_direct_and_staged_stores_write_"
+          "the_same_bits`).",
+          rows=tuple(Row(f"{name}, {kernel}", f"bench/results/2026-11-26-h200-cute-direct-swiglu-ab-{shape}.json",
+                         {"kernel": kernel}, "rows")
+                     for name, shape in (("30B", "30b"), ("Qwen3-Next", "qwen3next"))
+                     for kernel in ("up", "dw1", "dw2")),
+          columns=sweep_columns("co256s", "co256", "co128m256s", "co128m256")),
     Table("cute_store_diag", first="shape, config", caption="Where the down-projection's time went before "
           "(a scratch diagnostic on one H200, `f5912f0`'s kernels, its script in the file; ms, three rotated rounds, "
           "do_bench medians): its staged store epilogue, the same with packed 32-bit staging stores, the staging "
