@@ -586,6 +586,19 @@ TABLES = (
                     "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-logit_normprefix-w50.json")),
           columns=(*ROUTING_COLUMNS[:4], Field("mean loss, steps 30-100", "summary.loss_mean_from_step_30", digits=2),
                    ROUTING_COLUMNS[4])),
+    Table("routing_bias_rate", first="run", caption="The expert bias's rate with the logit norm on: the 40-layer "
+          "`sonic_7b` at issue #30's peak learning rate (`data=local_bpe`, `optim.warmup_steps=20`, 100 steps, "
+          "triton, top-K, input centred, logit norm), the preset's rate beside three times it (`bash bench/gpu.sh "
+          "routing` with `ROUTING_LAYERS=40 ROUTING_ARMS=topk-prefix+bias_update_rate=0.03`, `922a9e2`), one H200 "
+          "each.",
+          rows=(Row("bias rate 0.01 (the preset)",
+                    "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-logit_normprefix.json"),
+                Row("bias rate 0.01 (the preset), again",
+                    "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-logit_normprefix-rerun.json"),
+                Row("bias rate 0.03",
+                    "bench/results/2026-11-26-h200-routing_health-40L-topk-prefix-bias_update_rate0.03.json")),
+          columns=(*ROUTING_COLUMNS[:4], Field("mean loss, steps 30-100", "summary.loss_mean_from_step_30", digits=2),
+                   ROUTING_COLUMNS[4])),
     Table("centring_grad", first="shape (T × D × E), gradient", caption="The router's prefix-centred logits alone "
           "(`python -m bench.centring`, one H200, one call: `f1f6e93`'s kernels, then `00fca7f`'s): the fused "
           "Triton path forward and backward, beside the plain linear router's, in ms per call (do_bench median); "
