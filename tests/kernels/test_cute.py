@@ -47,6 +47,15 @@ def _gpu_reason() -> str | None:
 
 
 needs_cute = pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+
+
+def _dsl_reason() -> str | None:
+    from sonic.kernels import cute
+    return cute._cutlass_reason()
+
+
+# the DSL alone (no GPU): config parsing, the defaults' checks, and whole compiles to a cubin
+needs_dsl = pytest.mark.skipif(_dsl_reason() is not None, reason=f"{_dsl_reason()}; pip install -e '.[dev]' has it")
 gpu = [pytest.mark.gpu, needs_cute]
 
 BF16_TOL = 1e-2
@@ -203,6 +212,45 @@ def test_every_tile_config(cfg):
         check_dh_dx_dw(shape, routing, cfgs)
 
 
+KINDS = ("up", "down", "dh", "dx", "dw1", "dw2")
+
+
+@needs_dsl
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kernel_compiles_without_a_gpu(kind, monkeypatch):
+    """Each kernel through the DSL's whole compile (trace, MLIR, PTX, cubin for sm_90a) on the CPU: the default
+    config staged and direct, every config of test_every_tile_config that fits, and fp16, at a shape whose widths
+    take the 256-wide tiles and at one that falls back to 128. The DSL's trace-time errors (a dynamic loop carrying
+    a Python list, range_constexpr outside a jit function, a type that changes across a branch) then fail here, in
+    CI, instead of in a device call."""
+    from dataclasses import replace
+
+    from sonic.kernels.cute import ops
+    monkeypatch.setenv("SONIC_CUTE_CACHE_DIR", "off")  # compile for real; write nothing
+    jobs = set()
+    for (D, N, E), configs in (((4096, 512, 16), TILE_CONFIGS), ((768, 192, 8), ())):
+        default = ops.default_config(kind, D, N)
+        for cfg in (default, replace(default, staged=True), *map(ops.Config.parse, configs)):
+            try:
+                ops.check_config(kind, cfg)
+            except ValueError:
+                continue
+            jobs.add((torch.bfloat16, D, N, E, cfg))
+    jobs.add((torch.float16, 4096, 512, 16, ops.default_config(kind, 4096, 512)))
+    for dtype, D, N, E, cfg in sorted(jobs, key=str):
+        ops._compiled(kind, dtype, D, N, E, cfg, 132)  # raises on any compile error
+
+
+@needs_dsl
+@pytest.mark.parametrize("weighted", [True, False])
+def test_gather_sum_compiles_without_a_gpu(weighted, monkeypatch):
+    from sonic.kernels.cute import ops
+    from sonic.kernels.cute.aggregate import default_max_per_lane
+    monkeypatch.setenv("SONIC_CUTE_CACHE_DIR", "off")
+    for dtype, D in ((torch.bfloat16, 4096), (torch.bfloat16, 776), (torch.float16, 1536)):
+        ops._compiled_gather_sum(dtype, D, weighted, default_max_per_lane(D, weighted))
+
+
 @pytest.mark.gpu
 @needs_cute
 def test_direct_and_staged_stores_write_the_same_bits():
@@ -231,8 +279,7 @@ def test_direct_and_staged_stores_write_the_same_bits():
         assert torch.equal(direct, staged), name  # NaN (an unwritten element) never equals itself
 
 
-@pytest.mark.gpu
-@needs_cute
+@needs_dsl
 def test_config_strings_round_trip():
     from sonic.kernels.cute import ops
     for text in ("co256", "pp128", "pp192c2", "co128m256c2", "pp176", "pp192c2s", "co128m256s"):
@@ -242,8 +289,7 @@ def test_config_strings_round_trip():
         ops.Config.parse("pp192x")
 
 
-@pytest.mark.gpu
-@needs_cute
+@needs_dsl
 def test_every_default_config_fits_its_kernel_on_every_benchmarked_shape():
     """The defaults chosen by shape (ops.default_config) pass ops.check_config on every Table 9b and real-model
     shape, so no shape a user benchmarks or trains meets a refusal from a default (nothing compiles here)."""
