@@ -609,6 +609,19 @@ TABLES = (
           columns=(Field("fwd ms", "configs.0.fwd", digits=3), Field("bwd ms", "configs.0.bwd", digits=3),
                    Field("linear fwd ms", "linear_fwd", digits=3), Field("linear bwd ms", "linear_bwd", digits=3),
                    Field("error ×1e3", "configs.0.err", 1e3, digits=1))),
+    Table("block_h200_all", first="config, backend", caption="All twelve Table 9b configs: the MoE block as "
+          "`sonic_7b` builds it (router with its input centring and logit norm, routing, experts, combine; bf16 "
+          "autocast, compiled as the trainer runs it) on both kernel backends, each interleaved with the official "
+          "sonic-moe 0.1.2.post1 layer (router included) in one process, seven rounds, one H200 "
+          "(`bash bench/gpu.sh block` with `BLOCK_ARGS=\"--backends cute,triton --compile only --resume\"`, "
+          "`c9ddd54`, three calls resuming one file, the official layer's autotune cache carried between them). "
+          "× is Sonic over official, from the medians and from each side's best round.",
+          rows=tuple(Row(f"{config}, {backend}+compile", "bench/results/2026-11-26-h200-moe_block.json",
+                         {"config": config, "backend": f"{backend}+compile"})
+                     for config in ("1.4B", "1.4B-E64", "1.4B-E32", "7B", "7B-E64", "7B-E32", "30B-E256", "30B",
+                                    "30B-E64", "120B-E256", "120B", "120B-E64")
+                     for backend in ("cute", "triton")),
+          columns=BLOCK_COLUMNS),
     Table("block_h200", first="config, backend", caption="The MoE block as `sonic_7b` builds it (router with "
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
           "sonic-moe 0.1.2.post1 layer (router included), one H200, one process, seven interleaved rounds "
