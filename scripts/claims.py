@@ -344,6 +344,8 @@ E2E_1X_TRITON_8F1B5EB = "2026-11-25-1xh200-e2e-40L-triton-8f1b5eb.json"
 E2E_1X_GRADNORM = "2026-11-25-1xh200-e2e-40L-gradnorm.json"
 E2E_1X_LOGITNORM = "2026-11-25-1xh200-e2e-40L-logitnorm.json"
 E2E_1X_CONSTSCALE = "2026-11-25-1xh200-e2e-40L-constscale-1.json"
+E2E_1X_DIRECT = "2026-11-26-1xh200-e2e-40L.json"
+E2E_1X_DIRECT_AB = ("2026-11-26-1xh200-e2e-40L-ab-cd4c642.json", "2026-11-26-1xh200-e2e-40L-ab-bdae4e5.json")
 E2E_1X_EXACTGRAD = "2026-11-25-1xh200-e2e-40L-exactgrad-2.json"
 CENTRING_GRAD = {"exact": "bench/results/2026-11-25-h200-centring-exactgrad.json",
                  "constant": "bench/results/2026-11-25-h200-centring-constscale.json"}
@@ -468,7 +470,14 @@ TABLES = (
               e2e("the default, the centring's rescale a constant to autograd (`00fca7f`; one call on another "
                   "machine, this run first)", E2E_1X_CONSTSCALE, "cute_40L"),
               e2e("the same configs on `f1f6e93`'s sonic/: the exact gradient (the same call, second, its own "
-                  "compile cache)", E2E_1X_EXACTGRAD, "cute_40L"))),
+                  "compile cache)", E2E_1X_EXACTGRAD, "cute_40L"),
+              e2e("recipe, one GPU, cute, top-K, every expert kernel but dH storing its tiles from registers "
+                  "(`bdae4e5`; `scripts.repro.e2e_throughput --run --backends cute,triton --steps 50`, one job, this "
+                  "run first)", E2E_1X_DIRECT, "cute_40L"),
+              e2e("the same job on triton (second)", E2E_1X_DIRECT, "triton_40L"),
+              e2e("cute at `cd4c642` (only down and dX~ storing from registers; the next call on the same machine, "
+                  "first)", E2E_1X_DIRECT_AB[0], "cute_40L"),
+              e2e("cute at `bdae4e5` again (the same call, second)", E2E_1X_DIRECT_AB[1], "cute_40L"))),
     Table("peer_titan", first="model", columns=(
         Field("step ms, median", "step_ms"), Field("step ms, best", "step_ms_best"),
         Field("k tokens/s", "tokens_per_s", 1e-3), Ratio("× torchtitan, tokens/s", "tokens_per_s", "tokens_per_s",
@@ -583,7 +592,9 @@ TABLES = (
           rows=(Row("input centred (the preset before)",
                     "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-w50-cute.json"),
                 Row("input centred, logit norm (the preset now)",
-                    "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-logit_normprefix-w50.json")),
+                    "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-logit_normprefix-w50.json"),
+                Row("the preset, cute kernels (`bdae4e5`, after the e2e jobs on the same machine)",
+                    "bench/results/2026-11-26-h200-routing_health-40L-topk-prefix-w50-cute.json")),
           columns=(*ROUTING_COLUMNS[:4], Field("mean loss, steps 30-100", "summary.loss_mean_from_step_30", digits=2),
                    ROUTING_COLUMNS[4])),
     Table("routing_bias_rate", first="run", caption="The expert bias's rate with the logit norm on: the 40-layer "
