@@ -588,7 +588,7 @@ TABLES = (
           "100), "
           "(`bash bench/gpu.sh routing` with `ROUTING_LAYERS=40 ROUTING_WARMUP=50`), one H200: before the logit norm "
           "(`d48eabb`, cute kernels), and with the preset as it is now (`c1cbe12`, triton kernels; the routing "
-          "computes the same either way).",
+          "computes the same either way), and the preset again on cute (`bdae4e5`, another machine).",
           rows=(Row("input centred (the preset before)",
                     "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-w50-cute.json"),
                 Row("input centred, logit norm (the preset now)",
