@@ -285,6 +285,10 @@ ROUTING_COLUMNS = (Field("worst max/mean, steps 30-100", "summary.worst_max_over
                    Field("layers over 2×, step 100", "summary.layers_over_2x_at_last_step", digits=0),
                    Field("loss, step 100", "summary.loss_at_last_step", digits=2),
                    Field("k tokens/s", "summary.tokens_per_s_per_gpu", 1e-3, missing="–"))
+# the same with the mean loss over steps 30-100 before the throughput (a single step's loss is noisy)
+ROUTING_MEAN_LOSS_COLUMNS = (*ROUTING_COLUMNS[:4],
+                             Field("mean loss, steps 30-100", "summary.loss_mean_from_step_30", digits=2),
+                             ROUTING_COLUMNS[4])
 
 
 def sweep_columns(*configs: str) -> tuple[Field, ...]:
@@ -581,8 +585,7 @@ TABLES = (
                "16L-topk-prefix_logits-logit_normprefix"),
               ("40 layers, the same (scratch)", "40L-topk-prefix_logits-logit_normprefix"),
               ("40 layers, the same, token rounding (scratch)", "40L-token_rounding-prefix_logits-logit_normprefix"))),
-          columns=(*ROUTING_COLUMNS[:4], Field("mean loss, steps 30-100", "summary.loss_mean_from_step_30", digits=2),
-                   ROUTING_COLUMNS[4])),
+          columns=ROUTING_MEAN_LOSS_COLUMNS),
     Table("routing_w50", first="run", caption="Issue #25's routing run: the 40-layer `sonic_7b` on the local BPE "
           "text with `optim.warmup_steps=50` (the peak learning rate at step 50, the cosine down to its floor at step "
           "100), "
@@ -595,8 +598,7 @@ TABLES = (
                     "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-logit_normprefix-w50.json"),
                 Row("the preset, cute kernels (`bdae4e5`, after the e2e jobs on the same machine)",
                     "bench/results/2026-11-26-h200-routing_health-40L-topk-prefix-w50-cute.json")),
-          columns=(*ROUTING_COLUMNS[:4], Field("mean loss, steps 30-100", "summary.loss_mean_from_step_30", digits=2),
-                   ROUTING_COLUMNS[4])),
+          columns=ROUTING_MEAN_LOSS_COLUMNS),
     Table("routing_bias_rate", first="run", caption="The expert bias's rate with the logit norm on: the 40-layer "
           "`sonic_7b` at issue #30's peak learning rate (`data=local_bpe`, `optim.warmup_steps=20`, 100 steps, "
           "triton, top-K, input centred, logit norm), the preset's rate beside three times it (`bash bench/gpu.sh "
@@ -608,8 +610,7 @@ TABLES = (
                     "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-logit_normprefix-rerun.json"),
                 Row("bias rate 0.03",
                     "bench/results/2026-11-26-h200-routing_health-40L-topk-prefix-bias_update_rate0.03.json")),
-          columns=(*ROUTING_COLUMNS[:4], Field("mean loss, steps 30-100", "summary.loss_mean_from_step_30", digits=2),
-                   ROUTING_COLUMNS[4])),
+          columns=ROUTING_MEAN_LOSS_COLUMNS),
     Table("centring_grad", first="shape (T × D × E), gradient", caption="The router's prefix-centred logits alone "
           "(`python -m bench.centring`, one H200, one call: `f1f6e93`'s kernels, then `00fca7f`'s): the fused "
           "Triton path forward and backward, beside the plain linear router's, in ms per call (do_bench median); "
