@@ -599,17 +599,23 @@ TABLES = (
                 Row("the preset, cute kernels (`bdae4e5`, after the e2e jobs on the same machine)",
                     "bench/results/2026-11-26-h200-routing_health-40L-topk-prefix-w50-cute.json")),
           columns=ROUTING_MEAN_LOSS_COLUMNS),
-    Table("routing_bias_rate", first="run", caption="The expert bias's rate with the logit norm on: the 40-layer "
+    Table("routing_bias_rate", first="run", caption="Balance levers with the logit norm on: the 40-layer "
           "`sonic_7b` at issue #30's peak learning rate (`data=local_bpe`, `optim.warmup_steps=20`, 100 steps, "
-          "triton, top-K, input centred, logit norm), the preset's rate beside three times it (`bash bench/gpu.sh "
-          "routing` with `ROUTING_LAYERS=40 ROUTING_ARMS=topk-prefix+bias_update_rate=0.03`, `922a9e2`), one H200 "
-          "each.",
+          "triton, top-K, input centred, logit norm), the preset beside three times its expert-bias rate (`bash "
+          "bench/gpu.sh routing` with `ROUTING_LAYERS=40 ROUTING_ARMS=topk-prefix+bias_update_rate=0.03`, "
+          "`922a9e2`), DeepSeek-V3's sequence-wise balance loss at 0.01 and three times the global aux loss "
+          "(`ROUTING_ARMS=\"topk-prefix+seq_aux_loss_coef=0.01 topk-prefix+aux_loss_coef=0.03\"`, `46a1832`, one "
+          "call), one H200 each.",
           rows=(Row("bias rate 0.01 (the preset)",
                     "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-logit_normprefix.json"),
                 Row("bias rate 0.01 (the preset), again",
                     "bench/results/2026-11-25-h200-routing_health-40L-topk-prefix-logit_normprefix-rerun.json"),
                 Row("bias rate 0.03",
-                    "bench/results/2026-11-26-h200-routing_health-40L-topk-prefix-bias_update_rate0.03.json")),
+                    "bench/results/2026-11-26-h200-routing_health-40L-topk-prefix-bias_update_rate0.03.json"),
+                Row("sequence-wise balance loss 0.01",
+                    "bench/results/2026-11-26-h200-routing_health-40L-topk-prefix-seq_aux_loss_coef0.01.json"),
+                Row("aux loss 0.03",
+                    "bench/results/2026-11-26-h200-routing_health-40L-topk-prefix-aux_loss_coef0.03.json")),
           columns=ROUTING_MEAN_LOSS_COLUMNS),
     Table("centring_grad", first="shape (T × D × E), gradient", caption="The router's prefix-centred logits alone "
           "(`python -m bench.centring`, one H200, one call: `f1f6e93`'s kernels, then `00fca7f`'s): the fused "
