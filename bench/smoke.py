@@ -146,7 +146,9 @@ def main() -> None:
     ap.add_argument("--backends", default="cute,triton")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--steps", type=int, default=30)
-    # a cold kernel cache compiles every tile config the GPU tests run: about 300 s on an H200 since 2026-11-26
+    # a cold kernel cache compiles every tile config the GPU tests run: on a fresh H200 that ran past 360 s on
+    # 2026-11-26 (past 300 s before the up/dW1/dW2 direct stores), so a cold smoke may need more than this default;
+    # a machine whose cache an earlier call warmed takes much less
     ap.add_argument("--tests-timeout", type=float, default=420)
     ap.add_argument("--train-timeout", type=float, default=240)
     ap.add_argument("--json", help="output file (default bench/results/<date>-<gpu>-smoke.json)")
