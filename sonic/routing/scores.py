@@ -193,10 +193,14 @@ def standardise_by_prefix(logits_TE: Tensor, seq_len: int) -> Tensor:
     P = PRIOR_POSITIONS; mu and var carry no gradient."""
     z_BES = _by_position(logits_TE, seq_len)
     with torch.no_grad():
-        earlier = z_BES.cumsum(-1) - z_BES
-        earlier_sq = (z_BES * z_BES).cumsum(-1) - z_BES * z_BES
-        mean, rstd = _moments(earlier, earlier_sq, torch.arange(z_BES.shape[-1], device=z_BES.device))
+        mean, rstd = _moments(*_earlier_sums(z_BES), torch.arange(z_BES.shape[-1], device=z_BES.device))
     return ((z_BES - mean) * rstd).transpose(1, 2).reshape(logits_TE.shape)
+
+
+def _earlier_sums(z_BES: Tensor) -> tuple[Tensor, Tensor]:
+    """The sums of z and of z^2 over the positions before each one (positions last)."""
+    zz_BES = z_BES * z_BES
+    return z_BES.cumsum(-1) - z_BES, zz_BES.cumsum(-1) - zz_BES
 
 
 def _by_position(logits_TE: Tensor, S: int) -> Tensor:
@@ -266,7 +270,7 @@ def prefix_standardise(logits_TE: Tensor, seq_len: int) -> tuple[Tensor, Tensor]
     """(y_TE, stats): y = standardise_by_prefix(logits), the definition, and stats (B, chunks, 2, E), the sums of z
     and of z^2 over the positions before each chunk of STAT_CHUNK (fp32 or wider, as y)."""
     z_BES = _by_position(logits_TE, seq_len)
-    earlier = torch.stack([z_BES.cumsum(-1) - z_BES, (z_BES * z_BES).cumsum(-1) - z_BES * z_BES], dim=1)
+    earlier = torch.stack(_earlier_sums(z_BES), dim=1)
     stats = earlier[..., ::STAT_CHUNK].permute(0, 3, 1, 2).contiguous()  # (B, 2, E, chunks) -> (B, chunks, 2, E)
     mean, rstd = _moments(earlier[:, 0], earlier[:, 1], torch.arange(seq_len, device=logits_TE.device))
     return ((z_BES - mean) * rstd).transpose(1, 2).reshape(logits_TE.shape), stats
