@@ -133,17 +133,13 @@ class DirectStoreEpilogue(StoreEpilogue):
             rows_valid = mC.shape[0] - ctx.mt * bm
         cols_valid = mC.shape[1] - col0
         q = cute.arch.lane_idx() % 4
-        for mm in cutlass.range_constexpr(cute.size(ctx.acc, mode=[1])):
-            for v1 in cutlass.range_constexpr(2):
-                i0 = 2 * v1 + (bn // 2) * mm  # registers of one row: i0 + v0 + 4 * nb
-                row = ctx.tCcC[i0][0]
-                for g in cutlass.range_constexpr(bn // 32):
-                    m = [_pack(ctx.acc[i0 + 4 * (4 * g + k)], ctx.acc[i0 + 4 * (4 * g + k) + 1], dt)
-                         for k in range(4)]
-                    m = _quad_transpose(m, q)  # m[k]: columns 2k, 2k + 1 of block 4g + q
-                    col = 8 * (4 * g + q)
-                    if row < rows_valid and col < cols_valid:
-                        _store16(gC, row, col, m, dt)
+        for i0, row in ctx.rows():
+            for g in cutlass.range_constexpr(bn // 32):
+                m = [_pack(ctx.acc[i0 + 4 * (4 * g + k)], ctx.acc[i0 + 4 * (4 * g + k) + 1], dt) for k in range(4)]
+                m = _quad_transpose(m, q)  # m[k]: columns 2k, 2k + 1 of block 4g + q
+                col = 8 * (4 * g + q)
+                if row < rows_valid and col < cols_valid:
+                    _store16(gC, row, col, m, dt)
 
 
 def _store16(gC: cute.Tensor, row, col, words: list, dt):
@@ -239,31 +235,28 @@ class DirectSwiGLUEpilogue(SwiGLUEpilogue):
         q = cute.arch.lane_idx() % 4
         lo = Uint32(0xFFFF)
         hi = Uint32(0xFFFF0000)
-        for mm in cutlass.range_constexpr(cute.size(ctx.acc, mode=[1])):
-            for v1 in cutlass.range_constexpr(2):
-                i0 = 2 * v1 + (bn // 2) * mm  # registers of one row: i0 + v0 + 4 * nb
-                row = ctx.tCcC[i0][0]
-                ok = row < ctx.length
-                for g in cutlass.range_constexpr(bn // 64):
-                    h_words, a_vals = [], []
-                    for k in cutlass.range_constexpr(8):
-                        nb = 8 * g + k
-                        gate = ctx.acc[i0 + 4 * nb].to(dt)
-                        up = ctx.acc[i0 + 4 * nb + 1].to(dt)
-                        h_words.append(_pack(gate, up, dt))
-                        gf = gate.to(Float32)
-                        a_vals.append(gf * _sigmoid(gf) * up.to(Float32))
-                    for half in cutlass.range_constexpr(2):  # H blocks 8g + 4 half + (0..3)
-                        m = _quad_transpose(h_words[4 * half:4 * half + 4], q)
-                        col = 8 * (8 * g + 4 * half + q)
-                        if ok and col < h_valid:
-                            _store16(gH, row, col, m, dt)
-                    t = _quad_transpose([_pack(a_vals[2 * k], a_vals[2 * k + 1], dt) for k in range(4)], q)
-                    words = [(t[0] & lo) | (t[1] << 16), (t[2] & lo) | (t[3] << 16),
-                             (t[0] >> 16) | (t[1] & hi), (t[2] >> 16) | (t[3] & hi)]
-                    col = 32 * g + 8 * q
-                    if ok and col < a_valid:
-                        _store16(gA, row, col, words, dt)
+        for i0, row in ctx.rows():
+            ok = row < ctx.length
+            for g in cutlass.range_constexpr(bn // 64):
+                h_words, a_vals = [], []
+                for k in cutlass.range_constexpr(8):
+                    nb = 8 * g + k
+                    gate = ctx.acc[i0 + 4 * nb].to(dt)
+                    up = ctx.acc[i0 + 4 * nb + 1].to(dt)
+                    h_words.append(_pack(gate, up, dt))
+                    gf = gate.to(Float32)
+                    a_vals.append(gf * _sigmoid(gf) * up.to(Float32))
+                for half in cutlass.range_constexpr(2):  # H blocks 8g + 4 half + (0..3)
+                    m = _quad_transpose(h_words[4 * half:4 * half + 4], q)
+                    col = 8 * (8 * g + 4 * half + q)
+                    if ok and col < h_valid:
+                        _store16(gH, row, col, m, dt)
+                t = _quad_transpose([_pack(a_vals[2 * k], a_vals[2 * k + 1], dt) for k in range(4)], q)
+                words = [(t[0] & lo) | (t[1] << 16), (t[2] & lo) | (t[3] << 16),
+                         (t[0] >> 16) | (t[1] & hi), (t[2] >> 16) | (t[3] & hi)]
+                col = 32 * g + 8 * q
+                if ok and col < a_valid:
+                    _store16(gA, row, col, words, dt)
 
 
 class DSwiGLUEpilogue:

@@ -638,6 +638,15 @@ class EpilogueContext:
         if n % 2:
             self.barrier.arrive_and_wait()
 
+    def rows(self):
+        """Each fragment row this thread holds, as (i0, row): its registers are i0 + v0 + 4 * nb (v0 in 0, 1 the
+        adjacent columns, nb the 8-column block), as the module docstring of epilogue.py lays them out."""
+        bn = self.spec.tile_n
+        for mm in range(cute.size(self.acc, mode=[1])):
+            for v1 in range(2):
+                i0 = 2 * v1 + (bn // 2) * mm
+                yield i0, self.tCcC[i0][0]
+
     def pairs(self, j: int):
         bn, en = self.spec.tile_n, self.spec.epi_n
         for mm in range(cute.size(self.acc, mode=[1])):

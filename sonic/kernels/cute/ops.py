@@ -189,7 +189,7 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
     offsets = _fake(i32, (E + 1,), (1,))
     idx = _fake(i32, (R,), (1,))
     if kind == "up":  # H, A = SwiGLU(X[idx] W1^T)
-        spec = GemmSpec("m", "a", E, tile_n=tile_n, epi_n=epi_n, pingpong=pp, num_sms=sms)
+        spec = GemmSpec("m", "a", E, tile_n=tile_n, pingpong=pp, num_sms=sms, **tile)
         epi = swiglu
         a = _fake(dt, (T, D), (D, 1))
         b = _fake(dt, (F, D, E), (D, 1, F * D))
@@ -221,7 +221,7 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
         b = _fake(dt, (D, T), (1, D))
         args = (_fake(dt, (F, D, E), (D, 1, F * D)),)
     elif kind == "dw2":  # dW2_e = dO[idx_e]^T A'_e   (M = D, N = N, K = rows of e)
-        spec = GemmSpec("k", "a", E, tile_n=tile_n, epi_n=epi_n, pingpong=pp, num_sms=sms)
+        spec = GemmSpec("k", "a", E, tile_n=tile_n, pingpong=pp, num_sms=sms, **tile)
         epi = store
         a = _fake(dt, (D, T), (1, D))
         b = _fake(dt, (N, R), (1, N))
