@@ -14,7 +14,12 @@ clocks settled); each time is the median over the rounds.
 
     python -m bench.centring [--shapes 16384x1536x128,32768x4096x128,32768x2048x64] [--seq-len 4096]
                              [--sweep 32,64,4/64,128,4,3] [--rounds 5] [--profile N] [--json out.json]
+                             [--baseline old_centring.py]
     TRITON_INTERPRET=1 python -m bench.centring --shapes 128x64x16 --seq-len 32   (CPU: a smoke run; no timings)
+
+--baseline FILE times another version of sonic/kernels/triton/centring.py (e.g. `git show REV:sonic/kernels/triton/
+centring.py > old.py`) beside the default, in the same process and the same alternating rounds: an A/B of a kernel
+change with no other difference between the two sides.
 
 --profile N adds, per shape, where the default config's time goes: each kernel's mean microseconds per call over N
 forward and N backward calls under torch.profiler, and the GPU's idle time between them (bench.common.gpu_gaps).
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import statistics
@@ -91,8 +97,19 @@ def profile_calls(fn, calls: int, cuda: bool) -> dict:
                                                                                                   0.0) / calls}
 
 
+def load_baseline(path: str):
+    """The centring module in the file `path`, under a name of its own (its kernels compile apart from ours)."""
+    if not Path(path).is_file():
+        raise SystemExit(f"--baseline {path}: no such file (write one with `git show REV:sonic/kernels/triton/"
+                         "centring.py > FILE`)")
+    spec = importlib.util.spec_from_file_location("centring_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def measure(T: int, D: int, E: int, S: int, sweep: list[dict], device: torch.device, profile: int = 0,
-            rounds: int = 5) -> dict:
+            rounds: int = 5, baseline=None) -> dict:
     from sonic.kernels.triton import centring  # noqa: PLC0415 (Triton: a GPU or its interpreter)
 
     if T % S:
@@ -110,6 +127,12 @@ def measure(T: int, D: int, E: int, S: int, sweep: list[dict], device: torch.dev
            "default": {"forward": centring._forward_tiles(), "backward": centring._tiles(E)}, "configs": []}
     fns = {"linear_fwd": lambda: F.linear(x, w), "linear_bwd": lambda: (dl.bfloat16() @ w, dl.bfloat16().t() @ x)}
     errs = []
+    if baseline is not None:
+        got, got_rstd = baseline.prefix_centred_logits(x, w, S)
+        dx, _ = baseline.prefix_centred_logits_backward(dl, x, w, got_rstd, S)
+        base_err = max(rel_err(got, want), rel_err(dx, want_dx))
+        fns["base_fwd"] = lambda: baseline.prefix_centred_logits(x, w, S)
+        fns["base_bwd"] = lambda r=got_rstd: baseline.prefix_centred_logits_backward(dl, x, w, r, S)
     for i, cfg in enumerate([None, *sweep]):
         with _tiles(centring, cfg):
             got, got_rstd = centring.prefix_centred_logits(x, w, S)
@@ -122,6 +145,8 @@ def measure(T: int, D: int, E: int, S: int, sweep: list[dict], device: torch.dev
     row.update(linear_fwd=ms["linear_fwd"], linear_bwd=ms["linear_bwd"])
     for i, cfg in enumerate([None, *sweep]):
         row["configs"].append({"cfg": cfg or "default", "fwd": ms[f"fwd{i}"], "bwd": ms[f"bwd{i}"], "err": errs[i]})
+    if baseline is not None:
+        row["configs"].append({"cfg": "baseline", "fwd": ms["base_fwd"], "bwd": ms["base_bwd"], "err": base_err})
     if profile:
         cuda = device.type == "cuda"
         row["profile"] = {"fwd": profile_calls(lambda: centring.prefix_centred_logits(x, w, S), profile, cuda),
@@ -137,6 +162,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep", default="", help="more tile configs: BS,BD,num_warps[,num_stages]/...")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the alternating timings")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="profile N calls of each direction per shape")
+    ap.add_argument("--baseline", metavar="FILE", help="another centring.py, timed beside the default (an A/B)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -144,15 +170,16 @@ def main(argv=None) -> None:
         raise SystemExit("bench.centring runs the fused Triton kernels: on a GPU, or on the CPU with "
                          "TRITON_INTERPRET=1 (a smoke run of tiny shapes; its times mean nothing)")
     sweep = _parse_sweep(args.sweep)
+    baseline = load_baseline(args.baseline) if args.baseline else None
     rows = []
     for shape in args.shapes.split(","):
         try:
             T, D, E = (int(v) for v in shape.split("x"))
         except ValueError:
             raise SystemExit(f"--shapes {shape!r}: expected T x D x E, e.g. 16384x1536x128")
-        rows.append(measure(T, D, E, args.seq_len, sweep, device, args.profile, args.rounds))
+        rows.append(measure(T, D, E, args.seq_len, sweep, device, args.profile, args.rounds, baseline))
     path = write_json(result_path("centring", args.json), {
-        "what": "the router's prefix-centred logits alone: fused Triton kernels, the PyTorch definition, the plain "
+        "baseline": args.baseline, "what": "the router's prefix-centred logits alone: fused Triton kernels, the PyTorch definition, the plain "
                 "linear router", "units": "ms per call (do_bench median); err: the fused path's relative error "
                 "against the definition in fp64, the larger of the logits' and dx's", "rows": rows})
     lines = []

@@ -72,30 +72,10 @@ def _positions(seq, chunk, S, BS: tl.constexpr):
 
 
 @triton.jit
-def _dot_exact(a, b):
-    """a @ b in fp32 for a b in x's dtype: fp32 inputs exactly, 16-bit ones on tensor cores."""
-    if b.dtype == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a.to(b.dtype), b)
-
-
-@triton.jit
 def _load_x(x_ptr, rows, sm, d0, D, BD: tl.constexpr):
     """x of the tile's positions in the features d0 .. d0 + BD (zeros outside x)."""
     d = d0 + tl.arange(0, BD)
     return tl.load(x_ptr + rows[:, None] * D + d[None, :], mask=sm[:, None] & (d < D)[None, :], other=0.0)
-
-
-@triton.jit
-def _centre(x, earlier_ptr, seq, chunk, n, d0, D, NC, BS: tl.constexpr, BD: tl.constexpr):
-    """c of one (positions, feature block) tile of x, in fp32. The sum over the tile's earlier positions is a
-    product with a 0/1 lower-triangular matrix on tensor cores (exact products, fp32 sums): a scan along the
-    tile's rows crosses warps and was the kernels' largest cost."""
-    d = d0 + tl.arange(0, BD)
-    i = tl.arange(0, BS)
-    within = _dot_exact((i[None, :] < i[:, None]).to(tl.float32), x)
-    carry = tl.load(earlier_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, mask=d < D, other=0.0)
-    return x.to(tl.float32) - (carry[None, :] + within) / n[:, None]
 
 
 @triton.jit
@@ -127,41 +107,51 @@ def _scan_kernel(sums_ptr, out_ptr, NC, F, REVERSE: tl.constexpr, BC: tl.constex
 
 
 @triton.jit
-def _tile_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E: tl.constexpr, EPS: tl.constexpr,
-                 PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
-    """Up to E = 128: one chunk's logits and rstd, c and W c over the feature blocks."""
+def _gram_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E: tl.constexpr, EPS: tl.constexpr,
+                 WITH_Z: tl.constexpr, PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+    """One chunk's rstd and, WITH_Z (E <= TILE_MAX_E), its logits, from products of x that need no centred c.
+
+    Over the feature blocks it sums z = x W^T, the chunk's Gram matrix G = x x^T, p = x . carry (carry: the sum of
+    the earlier chunks' positions), |carry|^2 and W carry: two dots on the loaded tiles with no step between them,
+    which the compiler pipelines (centring each block first put a dot, a subtraction and a rounding in the chain).
+    With M_i = carry + sum_{j<i} x_j the earlier sum of chunk position i and n_i its count:
+      W c_i   = z_i - (W carry + sum_{j<i} z_j) / n_i
+      |c_i|^2 = G_ii - 2 (p_i + sum_{j<i} G_ij) / n_i + |M_i|^2 / n_i^2,
+      |M_i|^2 = |carry|^2 + 2 sum_{j<i} p_j + sum_{j,k<i} G_jk, the last an exclusive scan of 2 sum_{k<j} G_jk + G_jj.
+    The expansion cancels the shared part of x in fp32 from exact products: c unrounded, as the linearity way's
+    logits (module docstring)."""
     seq, chunk = tl.program_id(0), tl.program_id(1)
     _, rows, sm, n = _positions(seq, chunk, S, BS)
     e = tl.arange(0, BE)
     em = e < E
-    acc = tl.zeros((BS, BE), tl.float32)
-    sumsq = tl.zeros((BS,), tl.float32)
+    z = tl.zeros((BS, BE), tl.float32)
+    gram = tl.zeros((BS, BS), tl.float32)
+    p = tl.zeros((BS,), tl.float32)
+    carry_sq = tl.zeros((BD,), tl.float32)
+    w_carry = tl.zeros((BE,), tl.float32)
     for d0 in range(0, D, BD):
-        c = _centre(_load_x(x_ptr, rows, sm, d0, D, BD), earlier_ptr, seq, chunk, n, d0, D, NC, BS, BD)
-        c = c.to(x_ptr.dtype.element_ty)
-        cf = c.to(tl.float32)
-        sumsq += tl.sum(cf * cf, axis=1)
         d = d0 + tl.arange(0, BD)
-        w = tl.load(w_ptr + e[None, :] * D + d[:, None], mask=(d < D)[:, None] & em[None, :], other=0.0)  # W^T
-        acc = tl.dot(c, w, acc, input_precision=PREC)
-    rstd = tl.rsqrt(sumsq / D + EPS)
-    tl.store(logits_ptr + rows[:, None] * E + e[None, :], acc * rstd[:, None], mask=sm[:, None] & em[None, :])
+        x = _load_x(x_ptr, rows, sm, d0, D, BD)
+        carry = tl.load(earlier_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, mask=d < D, other=0.0)
+        gram = tl.dot(x, tl.trans(x), gram, input_precision=PREC)
+        p += tl.sum(x.to(tl.float32) * carry[None, :], axis=1)
+        carry_sq += carry * carry
+        if WITH_Z:
+            w = tl.load(w_ptr + e[None, :] * D + d[:, None], mask=(d < D)[:, None] & em[None, :], other=0.0)  # W^T
+            z = tl.dot(x, w, z, input_precision=PREC)
+            w_carry += tl.sum(w.to(tl.float32) * carry[:, None], axis=0)
+    i = tl.arange(0, BS)
+    diag = tl.sum(tl.where(i[:, None] == i[None, :], gram, 0.0), axis=1)
+    row_earlier = tl.sum(tl.where(i[None, :] < i[:, None], gram, 0.0), axis=1)  # sum_{j<i} G_ij
+    m_sq = tl.sum(carry_sq, axis=0) + 2 * (tl.cumsum(p, axis=0) - p)
+    step = 2 * row_earlier + diag
+    m_sq += tl.cumsum(step, axis=0) - step
+    c_sq = diag - 2 * (p + row_earlier) / n + m_sq / (n * n)
+    rstd = tl.rsqrt(tl.maximum(c_sq, 0.0) / D + EPS)  # the expansion's rounding may dip below 0 where c ~ 0
     tl.store(rstd_ptr + rows, rstd, mask=sm)
-
-
-@triton.jit
-def _rstd_kernel(x_ptr, earlier_ptr, rstd_ptr, S, D, NC, EPS: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr):
-    """rstd = rsqrt(mean(c^2) + EPS) of one chunk's positions, c rounded to x's dtype."""
-    seq, chunk = tl.program_id(0), tl.program_id(1)
-    _, rows, sm, n = _positions(seq, chunk, S, BS)
-    sumsq = tl.zeros((BS,), tl.float32)
-    x_next = _load_x(x_ptr, rows, sm, 0, D, BD)
-    for d0 in range(0, D, BD):
-        x = x_next
-        x_next = _load_x(x_ptr, rows, sm, d0 + BD, D, BD)  # in flight while this block computes
-        c = _centre(x, earlier_ptr, seq, chunk, n, d0, D, NC, BS, BD).to(x_ptr.dtype.element_ty).to(tl.float32)
-        sumsq += tl.sum(c * c, axis=1)
-    tl.store(rstd_ptr + rows, tl.rsqrt(sumsq / D + EPS), mask=sm)
+    if WITH_Z:
+        wc = z - (w_carry[None, :] + tl.cumsum(z, axis=0) - z) / n[:, None]
+        tl.store(logits_ptr + rows[:, None] * E + e[None, :], wc * rstd[:, None], mask=sm[:, None] & em[None, :])
 
 
 @triton.jit
@@ -258,12 +248,12 @@ def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tupl
     BS, B = cfg["BS"], T // S
     earlier_x = _earlier_sums(x_TD, S, BS)  # (B, chunks, D)
     NC = earlier_x.shape[1]
-    if E <= TILE_MAX_E:
-        _tile_kernel[(B, NC)](x_TD, w_ED, earlier_x, logits_TE, rstd_T, S, D, NC, E=E, EPS=scores.EPS,
-                              PREC="ieee" if x_TD.dtype == torch.float32 else "tf32",
-                              BE=max(16, triton.next_power_of_2(E)), **cfg)
+    with_z = E <= TILE_MAX_E
+    _gram_kernel[(B, NC)](x_TD, w_ED, earlier_x, logits_TE, rstd_T, S, D, NC, E=E, EPS=scores.EPS, WITH_Z=with_z,
+                          PREC="ieee" if x_TD.dtype == torch.float32 else "tf32",
+                          BE=max(16, triton.next_power_of_2(E)) if with_z else 16, **cfg)
+    if with_z:
         return logits_TE, rstd_T
-    _rstd_kernel[(B, NC)](x_TD, earlier_x, rstd_T, S, D, NC, EPS=scores.EPS, **cfg)
     z_TE = _mm_fp32(x_TD, w_ED.t())
     earlier_z = earlier_x.view(B * NC, D) @ w_ED.float().t()  # the same rounded W as z's
     BE = min(128, max(16, triton.next_power_of_2(E)))
