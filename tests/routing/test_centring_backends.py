@@ -62,6 +62,24 @@ def check_parity(device: str, cases=CASES, dtypes=(torch.float32, torch.bfloat16
             close(got, want, field)
 
 
+def check_cancellation(device: str, num_experts=(16, 300)) -> None:
+    """A shared vector 30x the token part, as deep layers' hidden states carry: the fused forward forms |c|^2 and W c
+    from products of x, whose shared parts cancel, so it must keep them exact in fp32 (the carry's low bits
+    included) to stay within the bf16 definition's own distance from fp64."""
+    from sonic.kernels.triton import routing as fused
+
+    B, S, D = 2, 256, 128
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(B, S, D, generator=gen) + 30 * torch.randn(B, 1, D, generator=gen)).reshape(B * S, D)
+    x = x.bfloat16().to(device)
+    for E in num_experts:
+        w = (torch.randn(E, D, generator=gen) * D ** -0.5).bfloat16().to(device)
+        want = scores.prefix_centred_logits(x.double(), w.double(), S)
+        for got, exact, field in zip(fused.prefix_centred_logits(x, w, S), want, ("logits", "rstd")):
+            err = ((got.double() - exact).norm() / exact.norm()).item()
+            assert err < 2e-3, (field, E, err)  # the bf16 definition's: 2.4e-4 (rstd), 1.6e-3 (logits)
+
+
 def _interpreter_main() -> None:
     from tests.helpers import patch_triton_interpreter
 
@@ -71,6 +89,7 @@ def _interpreter_main() -> None:
     assert 40 <= centring.TILE_MAX_E < 300  # both of the forward's ways: the tile kernel, then by linearity
     check_parity("cpu", num_experts=(16, 40))
     check_parity("cpu", [(1, 600, 24)], num_experts=(300,))  # backward 38 chunks of 16: the scans carry across steps
+    check_cancellation("cpu")
     print("centring interpreter ok")
 
 
@@ -85,6 +104,7 @@ def test_triton_centring_matches_torch_on_gpu(triton_device, poison):
     check_parity("cuda", num_experts=(40,))  # the tile kernel; 512, below: by linearity
     check_parity("cuda", [(2, 150, 100)], num_experts=(512,))  # the largest tiles' configuration
     check_parity("cuda", [(4, 4096, 1536)], num_experts=(128,), dtypes=(torch.bfloat16,))  # sonic_7b's router
+    check_cancellation("cuda")
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -111,35 +111,42 @@ def _gram_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E: t
                  WITH_Z: tl.constexpr, PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
     """One chunk's rstd and, WITH_Z (E <= TILE_MAX_E), its logits, from products of x that need no centred c.
 
-    Over the feature blocks it sums z = x W^T, the chunk's Gram matrix G = x x^T, p = x . carry (carry: the sum of
-    the earlier chunks' positions), |carry|^2 and W carry: two dots on the loaded tiles with no step between them,
-    which the compiler pipelines (centring each block first put a dot, a subtraction and a rounding in the chain).
-    With M_i = carry + sum_{j<i} x_j the earlier sum of chunk position i and n_i its count:
-      W c_i   = z_i - (W carry + sum_{j<i} z_j) / n_i
-      |c_i|^2 = G_ii - 2 (p_i + sum_{j<i} G_ij) / n_i + |M_i|^2 / n_i^2,
+    With carry the sum of the earlier chunks' positions, M_i = carry + sum_{j<i} x_j the earlier sum of chunk
+    position i and n_i its count:
+      W c_i   = z_i - (W carry + sum_{j<i} z_j) / n_i,                          z = x W^T
+      |c_i|^2 = G_ii - 2 (p_i + sum_{j<i} G_ij) / n_i + |M_i|^2 / n_i^2,       G = x x^T, p = x . carry
       |M_i|^2 = |carry|^2 + 2 sum_{j<i} p_j + sum_{j,k<i} G_jk, the last an exclusive scan of 2 sum_{k<j} G_jk + G_jj.
-    The expansion cancels the shared part of x in fp32 from exact products: c unrounded, as the linearity way's
-    logits (module docstring)."""
+    Over the feature blocks only dots read the loaded x (z, G, and p and W carry against the carry's mean split into
+    two 16-bit parts, hi + lo, as columns of a 16-wide operand: exact to 2^-17 and no 16-bit overflow), so the
+    compiler pipelines the loads; centring each block first had put a dot, a subtraction and a rounding in the
+    chain, and elementwise products with the carry cost as much again. The expansion cancels the shared part of x
+    in fp32 from exact products: c unrounded, as the linearity way's logits (module docstring)."""
     seq, chunk = tl.program_id(0), tl.program_id(1)
     _, rows, sm, n = _positions(seq, chunk, S, BS)
     e = tl.arange(0, BE)
     em = e < E
+    col = tl.arange(0, 16)[None, :]
+    scale = tl.maximum(chunk * BS, 1).to(tl.float32)  # the carry's count of positions
     z = tl.zeros((BS, BE), tl.float32)
     gram = tl.zeros((BS, BS), tl.float32)
-    p = tl.zeros((BS,), tl.float32)
+    p16 = tl.zeros((BS, 16), tl.float32)
+    wc16 = tl.zeros((16, BE), tl.float32)
     carry_sq = tl.zeros((BD,), tl.float32)
-    w_carry = tl.zeros((BE,), tl.float32)
     for d0 in range(0, D, BD):
         d = d0 + tl.arange(0, BD)
         x = _load_x(x_ptr, rows, sm, d0, D, BD)
         carry = tl.load(earlier_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, mask=d < D, other=0.0)
-        gram = tl.dot(x, tl.trans(x), gram, input_precision=PREC)
-        p += tl.sum(x.to(tl.float32) * carry[None, :], axis=1)
         carry_sq += carry * carry
+        hi = (carry / scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+        lo = (carry / scale - hi).to(x_ptr.dtype.element_ty).to(tl.float32)
+        mean2 = tl.where(col == 0, hi[:, None], tl.where(col == 1, lo[:, None], 0.0)).to(x_ptr.dtype.element_ty)
+        gram = tl.dot(x, tl.trans(x), gram, input_precision=PREC)
+        p16 = tl.dot(x, mean2, p16, input_precision=PREC)
         if WITH_Z:
             w = tl.load(w_ptr + e[None, :] * D + d[:, None], mask=(d < D)[:, None] & em[None, :], other=0.0)  # W^T
             z = tl.dot(x, w, z, input_precision=PREC)
-            w_carry += tl.sum(w.to(tl.float32) * carry[:, None], axis=0)
+            wc16 = tl.dot(tl.trans(mean2), w, wc16, input_precision=PREC)
+    p = tl.sum(p16, axis=1) * scale
     i = tl.arange(0, BS)
     diag = tl.sum(tl.where(i[:, None] == i[None, :], gram, 0.0), axis=1)
     row_earlier = tl.sum(tl.where(i[None, :] < i[:, None], gram, 0.0), axis=1)  # sum_{j<i} G_ij
@@ -150,6 +157,7 @@ def _gram_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E: t
     rstd = tl.rsqrt(tl.maximum(c_sq, 0.0) / D + EPS)  # the expansion's rounding may dip below 0 where c ~ 0
     tl.store(rstd_ptr + rows, rstd, mask=sm)
     if WITH_Z:
+        w_carry = tl.sum(wc16, axis=0) * scale
         wc = z - (w_carry[None, :] + tl.cumsum(z, axis=0) - z) / n[:, None]
         tl.store(logits_ptr + rows[:, None] * E + e[None, :], wc * rstd[:, None], mask=sm[:, None] & em[None, :])
 
