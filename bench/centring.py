@@ -55,7 +55,7 @@ def _tiles(centring, cfg: dict | None):
         yield
         return
     own = centring._forward_tiles
-    centring._forward_tiles = lambda: {**own(), **cfg}
+    centring._forward_tiles = lambda E: {**own(E), **cfg}
     try:
         yield
     finally:
@@ -124,7 +124,7 @@ def measure(T: int, D: int, E: int, S: int, sweep: list[dict], device: torch.dev
     row = {"T": T, "D": D, "E": E, "seq_len": S,
            "definition_fwd": bench_ms(lambda: scores.prefix_centred_logits(x, w, S)),
            "definition_bwd": bench_ms(lambda: scores.prefix_centred_logits_backward(dl, x, w, rstd, S)),
-           "default": {"forward": centring._forward_tiles(), "backward": centring._tiles(E)}, "configs": []}
+           "default": {"forward": centring._forward_tiles(E), "backward": centring._tiles(E)}, "configs": []}
     fns = {"linear_fwd": lambda: F.linear(x, w), "linear_bwd": lambda: (dl.bfloat16() @ w, dl.bfloat16().t() @ x)}
     errs = []
     if baseline is not None:

@@ -7,25 +7,26 @@ dtype; logits_t = (W c_t) * rstd_t, rstd_t = rsqrt(mean(c_t^2) + EPS).
 
 The forward has two ways; a tile is (sequence, chunk of BS positions) x (block of BD features) or (block of
 experts), and the chunks are independent, so every kernel's programs run in parallel. Both start from the chunk
-sums of x and their scan: each chunk's earlier sum (B x chunks x D, fp32). The sum over a tile's earlier positions
-is a product with a 0/1 lower-triangular matrix on tensor cores (exact products, fp32 sums; tl.cumsum along the
-rows crossed warps and cost more).
-  E <= 128  (TILE_MAX_E) per chunk, over the feature blocks, c (rounded to x's dtype), its sum of squares and
-            W c (a dot), then the logits (_tile_kernel). Every tile reads all of W, so W's traffic is E / BS
-            times x's, and the tile's (BS, E) accumulator caps BS.
-  above     by linearity, W c_t = z_t - (sum of z_s over s < t) / n_t with z = W x: W meets x in one GEMM and the
-            prefix is taken over the T x E logits. Per chunk, c over the feature blocks gives rstd (_rstd_kernel,
-            c rounded to x's dtype as in the definition); z = W x and W times the earlier sums are cuBLAS GEMMs with
-            fp32 results, in the same rounded W so that the earlier positions' share cancels; then per chunk and
-            block of experts, the logits (_logits_kernel), from c unrounded: closer to the fp64 definition than the
-            definition's own bf16 evaluation. More launches, which cost more than the tile kernel's W traffic at
-            small E. (A sequential walk over the chunks instead of the sums and scan was latency-bound:
-            bench/results/2026-11-25-h200-centring-linearity-ab.json.)
+sums of x and their scan: each chunk's earlier sum, the carry (B x chunks x D, fp32). Per chunk, one kernel
+(_gram_kernel) then sums products of x alone over the feature blocks: the Gram matrix x x^T and x against the
+carry, from which |c|^2 and so rstd follow by expanding c = x - M / n (its docstring has the algebra), c itself
+never formed. Every product is on tensor cores from exact 16-bit inputs, the carry split into two 16-bit parts;
+the shared part of x cancels in fp32, so the result is c unrounded, closer to the fp64 definition than the
+definition's own bf16 evaluation of W c.
+  E <= 128  (TILE_MAX_E) the same kernel also sums z = x W^T and W against the carry, and forms the logits:
+            W c_t = z_t - (W carry + the chunk's earlier z) / n_t. Every chunk reads all of W, so W's traffic is
+            E / BS times x's, and the (BS, E) accumulator caps BS.
+  above     z = W x and W times the carries are cuBLAS GEMMs with fp32 results, in the same rounded W so that the
+            earlier positions' share cancels; then per chunk and block of experts, the logits (_logits_kernel). More
+            launches, which cost more than the kernel's W traffic at small E. (A sequential walk over the chunks
+            instead of the sums and scan was latency-bound: bench/results/2026-11-25-h200-centring-linearity-ab.json.)
+  Centring each feature block first (c = x minus a lower-triangular dot, rounded, then W c) was 1.24x slower at
+  30B's shape, 1.13x at sonic_7b's and 0.91x at E 64 (bench/results/2026-11-26-h200-centring-gram-ab.json).
   backward  rstd is a constant to autograd (sonic/routing/scores.py says why), so with dz = dlogits * rstd the
             gradient is linear in dz: dx = P^T W^T dz = (P^T dz) W and dW = (P^T dz)^T x, where
             (P^T g)_s = g_s - sum_{t>s} g_t / n_t. q = P^T dz is T x E: the chunk sums of dz / n, a reverse scan,
             then q per chunk; dx and dW are two GEMMs (cuBLAS).
-x is read twice forward up to E = 128 (sums, tiles), three times above (sums, rstd, GEMM), and twice backward (by
+x is read twice forward up to E = 128 (sums, Gram), three times above (sums, Gram, GEMM), and twice backward (by
 the GEMMs). Sums are fp32 in a fixed order (no atomics): deterministic. The forward's tiles are fixed
 (`_forward_tiles`), the backward's depend only on E (`_tiles`): no autotuning. Where the time goes by kernel:
 `python -m bench.centring --profile`.
@@ -40,8 +41,8 @@ from torch import Tensor
 from sonic.routing import scores
 
 BC = 32  # chunks per step of the scan
-# the forward's two ways (module docstring): W c per tile up to this many experts, by linearity above (on an H200 the
-# tile kernel was as fast at 30B's shape and faster at sonic_7b's, 3x slower at E 512:
+# the forward's two ways (module docstring): W c per chunk up to this many experts, by cuBLAS above (on an H200 the
+# per-chunk W c was as fast at 30B's shape and faster at sonic_7b's, 3x slower at E 512:
 # bench/results/2026-11-25-h200-centring-v2-ab.json)
 TILE_MAX_E = 128
 
@@ -58,10 +59,11 @@ def _tiles(E: int) -> dict:
     return dict(BS=max(16, min(64, 8192 // be)), BE=be, num_warps=4 if be <= 128 else 8)
 
 
-def _forward_tiles() -> dict:
-    """The forward's chunk of positions (BS) and block of features (BD) for the sums and rstd; its logits' block of
-    experts is at most 128 wide, whatever E."""
-    return dict(BS=64, BD=64, num_warps=4)
+def _forward_tiles(E: int) -> dict:
+    """The forward's chunk of positions (BS) and block of features (BD) for the sums and the Gram kernel: with W c
+    in the kernel (E <= TILE_MAX_E) 128 positions on 8 warps, else 64 on 4 (each the faster of the two at every
+    shape measured on an H200, by 4-23%: bench/results/2026-11-26-h200-centring-gram-ab.json). The logits' block of experts is at most 128 wide."""
+    return dict(BS=128, BD=64, num_warps=8) if E <= TILE_MAX_E else dict(BS=64, BD=64, num_warps=4)
 
 
 @triton.jit
@@ -252,7 +254,7 @@ def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tupl
     rstd_T = _alloc((T,), torch.float32, x_TD.device)
     if not T:
         return logits_TE, rstd_T
-    cfg = _forward_tiles()
+    cfg = _forward_tiles(E)
     BS, B = cfg["BS"], T // S
     earlier_x = _earlier_sums(x_TD, S, BS)  # (B, chunks, D)
     NC = earlier_x.shape[1]
