@@ -644,7 +644,9 @@ TABLES = (
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
           "sonic-moe 0.1.2.post1 layer (router included), one H200, one process, seven interleaved rounds "
           "(`bench.moe_block`); × is Sonic over official, from the medians and from each side's best round. "
-          "`+compile` is the block as the trainer runs it (`torch.compile`). The third row: down and dX~ store their "
+          "`+compile` is the block as the trainer runs it (`torch.compile`). The first two rows: the router's centring "
+          "forward in one kernel of products of x (its Gram matrix, x against the carry, x Wᵀ) with no centred c "
+          "(`326c410`), one call, the official layer's 30B autotune cache carried. The fifth row: down and dX~ store their "
           "tiles from registers (`e75afe2`), one call, the official layer without its autotune cache. The two before it: "
           "up, dW1 and dW2 store from registers too (`922a9e2`), one call, the official layer without its cache. The "
           "next four "
@@ -672,7 +674,9 @@ TABLES = (
           "kernels in 2-CTA clusters that multicast A, 192-wide ping-pong tiles (`db876d6`); the next six: before, "
           "the centring as one op; in the older rows the bench handed the block a 2-D input, so the "
           "centring read sequences of d tokens, not 4096 (the same work per token; fixed in `c2f35fb`).",
-          rows=tuple(Row(f"{config}, cute+compile", "bench/results/2026-11-26-h200-moe_block-compiled-direct-swiglu.json",
+          rows=tuple(Row(f"{config}, cute+compile", "bench/results/2026-11-26-h200-moe_block-compiled-gram.json",
+                         {"config": config, "backend": "cute+compile"}) for config in ("30B", "7B")) + tuple(
+              Row(f"{config}, cute+compile", "bench/results/2026-11-26-h200-moe_block-compiled-direct-swiglu.json",
                          {"config": config, "backend": "cute+compile"}) for config in ("30B", "Qwen3-Next")) + (
               Row("30B, cute+compile", "bench/results/2026-11-26-h200-moe_block-compiled-direct-store.json",
                   {"config": "30B", "backend": "cute+compile"}),) + tuple(
