@@ -799,13 +799,18 @@ TABLES = (
                    Field("fastest", "fastest_cap", digits=0))),
     Table("block_h100", first="config, backend", caption="The same block and official layer on one H100, "
           "compiled as the trainer runs it (`bash bench/gpu.sh block`, the official layer's autotune results "
-          "kept per GPU kind). The first three rows: `6b61004`, with everything since (the dW1 kernel in 256-row "
+          "kept per GPU kind). The first two rows: `1c4a4d6` (`sonic/` as at `326c410`), with everything since "
+          "`6b61004`: every expert kernel but dH storing its tiles from registers, the router's centring forward in "
+          "one kernel of products of x; one call, the official layer tuning both configs in it. The next three "
+          "rows: `6b61004`, with everything since (the dW1 kernel in 256-row "
           "tiles, the gather-sums in column slices, the logit norm, and down and dX~ over a reduction longer than 512 "
           "in 128-wide ping-pong pairs); the official layer's 7B rounds there ran slow, so that row's × is no "
           "kernel comparison. The next three: each compiled block one graph (`6dc2dbb`); the next three: the "
           "down and dx kernels in 2-CTA clusters that multicast A, 192-wide ping-pong tiles over a short reduction "
           "(`95f5f0d`); the last three: before (`79cabe9`).",
           rows=tuple(
+              Row(f"{config}, cute+compile", "bench/results/2026-11-26-h100-moe_block-compiled-gram.json",
+                  {"config": config, "backend": "cute+compile"}) for config in ("30B", "7B")) + tuple(
               Row(f"{config}, cute+compile", "bench/results/2026-11-25-h100-moe_block-compiled-pp128c2.json",
                   {"config": config, "backend": "cute+compile"}) for config in ("30B", "OLMoE", "7B")) + tuple(
               Row(f"{config}, cute+compile", f"bench/results/{file}.json", {"config": config, "backend": "cute+compile"})
