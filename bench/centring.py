@@ -179,7 +179,8 @@ def main(argv=None) -> None:
             raise SystemExit(f"--shapes {shape!r}: expected T x D x E, e.g. 16384x1536x128")
         rows.append(measure(T, D, E, args.seq_len, sweep, device, args.profile, args.rounds, baseline))
     path = write_json(result_path("centring", args.json), {
-        "baseline": args.baseline, "what": "the router's prefix-centred logits alone: fused Triton kernels, the PyTorch definition, the plain "
+        "baseline": args.baseline,
+        "what": "the router's prefix-centred logits alone: fused Triton kernels, the PyTorch definition, the plain "
                 "linear router", "units": "ms per call (do_bench median); err: the fused path's relative error "
                 "against the definition in fp64, the larger of the logits' and dx's", "rows": rows})
     lines = []
