@@ -62,8 +62,7 @@ def _tiles(E: int) -> dict:
 def _forward_tiles(E: int) -> dict:
     """The forward's chunk of positions (BS) and block of features (BD) for the sums and the Gram kernel: with W c
     in the kernel (E <= TILE_MAX_E) 128 positions on 8 warps, else 64 on 4 (each the faster of the two at every
-    shape measured on an H200, by 4-23%: bench/results/2026-11-26-h200-centring-gram-ab.json). The logits' block
-    of experts is at most 128 wide."""
+    shape measured on an H200, by 4-23%: bench/results/2026-11-26-h200-centring-gram-ab.json). The logits' block of experts is at most 128 wide."""
     return dict(BS=128, BD=64, num_warps=8) if E <= TILE_MAX_E else dict(BS=64, BD=64, num_warps=4)
 
 
@@ -119,11 +118,11 @@ def _gram_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E: t
       W c_i   = z_i - (W carry + sum_{j<i} z_j) / n_i,                          z = x W^T
       |c_i|^2 = G_ii - 2 (p_i + sum_{j<i} G_ij) / n_i + |M_i|^2 / n_i^2,       G = x x^T, p = x . carry
       |M_i|^2 = |carry|^2 + 2 sum_{j<i} p_j + sum_{j,k<i} G_jk, the last an exclusive scan of 2 sum_{k<j} G_jk + G_jj.
-    Over the feature blocks only dots read the loaded x: z, G, and p and W carry against the carry's mean split into
-    two 16-bit parts, hi + lo, as columns of a 16-wide operand (exact to 2^-17, and no 16-bit overflow; the same
-    speed as elementwise products with the carry on an H200). No centred c sits in the loop, where centring each
-    block first put a dot, a subtraction and a rounding before W c. The expansion cancels the shared part of x in
-    fp32 from exact products: c unrounded, as the linearity way's logits (module docstring)."""
+    Over the feature blocks only dots read the loaded x (z, G, and p and W carry against the carry's mean split into
+    two 16-bit parts, hi + lo, as columns of a 16-wide operand: exact to 2^-17 and no 16-bit overflow), so the
+    compiler pipelines the loads; centring each block first had put a dot, a subtraction and a rounding in the
+    chain, and elementwise products with the carry cost as much again. The expansion cancels the shared part of x
+    in fp32 from exact products: c unrounded, as the linearity way's logits (module docstring)."""
     seq, chunk = tl.program_id(0), tl.program_id(1)
     _, rows, sm, n = _positions(seq, chunk, S, BS)
     e = tl.arange(0, BE)
