@@ -62,7 +62,8 @@ def _tiles(E: int) -> dict:
 def _forward_tiles(E: int) -> dict:
     """The forward's chunk of positions (BS) and block of features (BD) for the sums and the Gram kernel: with W c
     in the kernel (E <= TILE_MAX_E) 128 positions on 8 warps, else 64 on 4 (each the faster of the two at every
-    shape measured on an H200, by 4-23%: bench/results/2026-11-26-h200-centring-gram-ab.json). The logits' block of experts is at most 128 wide."""
+    shape measured on an H200, by 4-23%: bench/results/2026-11-26-h200-centring-gram-ab.json). The logits' block
+    of experts is at most 128 wide."""
     return dict(BS=128, BD=64, num_warps=8) if E <= TILE_MAX_E else dict(BS=64, BD=64, num_warps=4)
 
 
@@ -109,6 +110,12 @@ def _scan_kernel(sums_ptr, out_ptr, NC, F, REVERSE: tl.constexpr, BC: tl.constex
 
 
 @triton.jit
+def _centred_logits(z, earlier_z, n, rstd):
+    """(z - (the earlier chunks' sum of z + the tile's earlier positions') / n) * rstd: W c by linearity, scaled."""
+    return (z - (earlier_z[None, :] + tl.cumsum(z, axis=0) - z) / n[:, None]) * rstd[:, None]
+
+
+@triton.jit
 def _gram_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E: tl.constexpr, EPS: tl.constexpr,
                  WITH_Z: tl.constexpr, PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
     """One chunk's rstd and, WITH_Z (E <= TILE_MAX_E), its logits, from products of x that need no centred c.
@@ -118,11 +125,13 @@ def _gram_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E: t
       W c_i   = z_i - (W carry + sum_{j<i} z_j) / n_i,                          z = x W^T
       |c_i|^2 = G_ii - 2 (p_i + sum_{j<i} G_ij) / n_i + |M_i|^2 / n_i^2,       G = x x^T, p = x . carry
       |M_i|^2 = |carry|^2 + 2 sum_{j<i} p_j + sum_{j,k<i} G_jk, the last an exclusive scan of 2 sum_{k<j} G_jk + G_jj.
-    Over the feature blocks only dots read the loaded x (z, G, and p and W carry against the carry's mean split into
-    two 16-bit parts, hi + lo, as columns of a 16-wide operand: exact to 2^-17 and no 16-bit overflow), so the
-    compiler pipelines the loads; centring each block first had put a dot, a subtraction and a rounding in the
-    chain, and elementwise products with the carry cost as much again. The expansion cancels the shared part of x
-    in fp32 from exact products: c unrounded, as the linearity way's logits (module docstring)."""
+    Over the feature blocks only dots read the loaded x: z, G, and p and W carry against the carry's mean split into
+    two 16-bit parts, hi + lo, as columns of a 16-wide operand (exact to 2^-17, and no 16-bit overflow; elementwise
+    products with the carry ran within a few percent of it on an H200, faster at 30B's shape and slower at E 64:
+    bench/results/2026-11-26-h200-centring-gram-v1-ab.json beside ...-gram-ab.json).
+    No centred c sits in the loop, where centring each block first put a dot, a subtraction and a rounding before
+    W c. The expansion cancels the shared part of x in fp32 from exact products: c unrounded, as the linearity
+    way's logits (module docstring)."""
     seq, chunk = tl.program_id(0), tl.program_id(1)
     _, rows, sm, n = _positions(seq, chunk, S, BS)
     e = tl.arange(0, BE)
@@ -159,9 +168,8 @@ def _gram_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E: t
     rstd = tl.rsqrt(tl.maximum(c_sq, 0.0) / D + EPS)  # the expansion's rounding may dip below 0 where c ~ 0
     tl.store(rstd_ptr + rows, rstd, mask=sm)
     if WITH_Z:
-        w_carry = tl.sum(wc16, axis=0) * scale
-        wc = z - (w_carry[None, :] + tl.cumsum(z, axis=0) - z) / n[:, None]
-        tl.store(logits_ptr + rows[:, None] * E + e[None, :], wc * rstd[:, None], mask=sm[:, None] & em[None, :])
+        logits = _centred_logits(z, tl.sum(wc16, axis=0) * scale, n, rstd)
+        tl.store(logits_ptr + rows[:, None] * E + e[None, :], logits, mask=sm[:, None] & em[None, :])
 
 
 @triton.jit
@@ -177,7 +185,7 @@ def _logits_kernel(z_ptr, earlier_z_ptr, rstd_ptr, logits_ptr, S, NC, E: tl.cons
     z = tl.load(z_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
     earlier = tl.load(earlier_z_ptr + (seq.to(tl.int64) * NC + chunk) * E + e, mask=em, other=0.0)
     rstd = tl.load(rstd_ptr + rows, mask=sm, other=0.0)
-    logits = (z - (earlier[None, :] + tl.cumsum(z, axis=0) - z) / n[:, None]) * rstd[:, None]
+    logits = _centred_logits(z, earlier, n, rstd)
     tl.store(logits_ptr + rows[:, None] * E + e[None, :], logits, mask=m)
 
 
