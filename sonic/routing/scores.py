@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sonic.ops import DualOp
+
 CENTRINGS = ("none", "prefix")
 EPS = 1e-6  # as RMSNorm's: c's RMS is O(1) (the block's input is normalised)
 
@@ -46,7 +48,13 @@ class PrefixCentredScores(nn.Module):
         """seq_len: the length S of the sequences x_TD holds, in order (None: one sequence of T). ops: the routing
         backend module whose prefix_centred_logits[_backward] compute it (None: this module's, the definition)."""
         S = _resolve_seq_len(x_TD.shape[0], seq_len)
-        return _centred_logits(x_TD, weight_ED, S, (ops or sys.modules[__name__]).__name__)[0]
+        ops = ops or sys.modules[__name__]
+        return _centred_logits(x_TD, weight_ED, S, ops.__name__, traced=_traced(ops))[0]
+
+
+def _traced(ops) -> bool:
+    """Whether the backend module's ops may be traced by torch.compile (sonic/ops.py): its TRACED_OPS."""
+    return getattr(ops, "TRACED_OPS", False)
 
 
 def _resolve_seq_len(T: int, seq_len: int | None) -> int:
@@ -66,26 +74,27 @@ def _resolve_seq_len(T: int, seq_len: int | None) -> int:
 # (which the experts keep anyway: the same storage), W and rstd. The ops' names change with their signatures or
 # their autograd: torch.compile's caches know a custom op by name, so a cache warmed by earlier ops replays their
 # graphs (one called the other's backward op, which no longer exists, on an H200).
-@torch.library.custom_op("sonic::centred_router_logits_const_scale", mutates_args=())
-def _centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
+def _centred_logits_impl(x_TD: Tensor, weight_ED: Tensor, seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
     return importlib.import_module(ops).prefix_centred_logits(x_TD, weight_ED, seq_len)
 
 
-@_centred_logits.register_fake
-def _(x_TD, weight_ED, seq_len, ops):
+def _centred_logits_fake(x_TD, weight_ED, seq_len, ops):
     acc = torch.promote_types(x_TD.dtype, torch.float32)
     return x_TD.new_empty((x_TD.shape[0], weight_ED.shape[0]), dtype=acc), x_TD.new_empty((x_TD.shape[0],), dtype=acc)
 
 
-@torch.library.custom_op("sonic::centred_router_logits_const_scale_backward", mutates_args=())
-def _centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor, rstd_T: Tensor, seq_len: int,
-                             ops: str) -> tuple[Tensor, Tensor]:
+def _centred_logits_backward_impl(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: Tensor, rstd_T: Tensor, seq_len: int,
+                                  ops: str) -> tuple[Tensor, Tensor]:
     return importlib.import_module(ops).prefix_centred_logits_backward(dlogits_TE, x_TD, weight_ED, rstd_T, seq_len)
 
 
-@_centred_logits_backward.register_fake
-def _(dlogits_TE, x_TD, weight_ED, rstd_T, seq_len, ops):
+def _centred_logits_backward_fake(dlogits_TE, x_TD, weight_ED, rstd_T, seq_len, ops):
     return torch.empty_like(x_TD), torch.empty_like(weight_ED)
+
+
+_centred_logits = DualOp("centred_router_logits_const_scale", _centred_logits_impl, _centred_logits_fake)
+_centred_logits_backward = DualOp("centred_router_logits_const_scale_backward", _centred_logits_backward_impl,
+                                  _centred_logits_backward_fake)
 
 
 def _setup(ctx, inputs, output):
@@ -95,14 +104,13 @@ def _setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _backward(ctx, dlogits_TE, _drstd):
+def _backward(backward_op, ctx, dlogits_TE, _drstd):
     x_TD, weight_ED, rstd_T = ctx.saved_tensors
-    dx_TD, dweight_ED = _centred_logits_backward(dlogits_TE.contiguous(), x_TD, weight_ED, rstd_T, ctx.seq_len,
-                                                 ctx.ops)
+    dx_TD, dweight_ED = backward_op(dlogits_TE.contiguous(), x_TD, weight_ED, rstd_T, ctx.seq_len, ctx.ops)
     return dx_TD, dweight_ED, None, None
 
 
-_centred_logits.register_autograd(_backward, setup_context=_setup)
+_centred_logits.register_autograd(_backward, _setup, _centred_logits_backward)
 
 
 def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
@@ -184,7 +192,8 @@ class PrefixStandardisedLogits(nn.Module):
     def forward(self, logits_TE: Tensor, seq_len: int | None = None, ops=None) -> Tensor:
         """ops: the routing backend module whose prefix_standardise[_backward] compute it (None: this module's)."""
         S = _resolve_seq_len(logits_TE.shape[0], seq_len)
-        return _standardised(logits_TE, S, (ops or sys.modules[__name__]).__name__)[0]
+        ops = ops or sys.modules[__name__]
+        return _standardised(logits_TE, S, ops.__name__, traced=_traced(ops))[0]
 
 
 def standardise_by_prefix(logits_TE: Tensor, seq_len: int) -> Tensor:
@@ -227,27 +236,28 @@ def _moments(earlier: Tensor, earlier_sq: Tensor, s: Tensor) -> tuple[Tensor, Te
 STAT_CHUNK = 64
 
 
-@torch.library.custom_op("sonic::prefix_standardised_logits", mutates_args=())
-def _standardised(logits_TE: Tensor, seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
+def _standardised_impl(logits_TE: Tensor, seq_len: int, ops: str) -> tuple[Tensor, Tensor]:
     return importlib.import_module(ops).prefix_standardise(logits_TE, seq_len)
 
 
-@_standardised.register_fake
-def _(logits_TE, seq_len, ops):
+def _standardised_fake(logits_TE, seq_len, ops):
     acc = torch.promote_types(logits_TE.dtype, torch.float32)
     T, E = logits_TE.shape
     chunks = -(-seq_len // STAT_CHUNK)
     return logits_TE.new_empty((T, E), dtype=acc), logits_TE.new_empty((T // seq_len, chunks, 2, E), dtype=acc)
 
 
-@torch.library.custom_op("sonic::prefix_standardised_logits_backward", mutates_args=())
-def _standardised_backward(dy_TE: Tensor, y_TE: Tensor, stats: Tensor, seq_len: int, ops: str) -> Tensor:
+def _standardised_backward_impl(dy_TE: Tensor, y_TE: Tensor, stats: Tensor, seq_len: int, ops: str) -> Tensor:
     return importlib.import_module(ops).prefix_standardise_backward(dy_TE, y_TE, stats, seq_len)
 
 
-@_standardised_backward.register_fake
-def _(dy_TE, y_TE, stats, seq_len, ops):
+def _standardised_backward_fake(dy_TE, y_TE, stats, seq_len, ops):
     return torch.empty_like(y_TE)
+
+
+_standardised = DualOp("prefix_standardised_logits", _standardised_impl, _standardised_fake)
+_standardised_backward = DualOp("prefix_standardised_logits_backward", _standardised_backward_impl,
+                                _standardised_backward_fake)
 
 
 def _setup_standardised(ctx, inputs, output):
@@ -257,13 +267,13 @@ def _setup_standardised(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _backward_standardised(ctx, dy_TE, _dstats):
+def _backward_standardised(backward_op, ctx, dy_TE, _dstats):
     y_TE, stats = ctx.saved_tensors
-    dz_TE = _standardised_backward(dy_TE.contiguous(), y_TE, stats, ctx.seq_len, ctx.ops)
+    dz_TE = backward_op(dy_TE.contiguous(), y_TE, stats, ctx.seq_len, ctx.ops)
     return dz_TE.to(ctx.dtype), None, None
 
 
-_standardised.register_autograd(_backward_standardised, setup_context=_setup_standardised)
+_standardised.register_autograd(_backward_standardised, _setup_standardised, _standardised_backward)
 
 
 def prefix_standardise(logits_TE: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:

@@ -123,3 +123,24 @@ def test_prefix_scores_keep_no_centred_copy_for_backward(compiled):
     out.sum().backward()
     assert x.grad is not None and w.grad is not None
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_triton_centring_keeps_no_centred_copy_for_backward(triton_device, compiled):
+    """The same with the triton backend, whose op torch.compile traces into (sonic/ops.py): its kernels never
+    write c, and the partitioner, which now sees them, must keep nothing T x D but x either."""
+    from sonic.kernels.triton import routing as fused
+
+    B, S, D, E = 2, 256, 128, 16
+    x = torch.randn(B * S, D, device="cuda", requires_grad=True)
+    w = torch.randn(E, D, device="cuda", requires_grad=True)
+    out, saved = saved_for_backward(lambda x, w: scores.PrefixCentredScores()(x, w, S, fused) * 2.0, x, w,
+                                    compiled=compiled)
+    big = [t for t in saved if t.numel() >= B * S * D]
+    assert big and all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in big), \
+        [tuple(t.shape) for t in big]
+    out.sum().backward()
+    want = scores.prefix_centred_logits(x.detach(), w.detach(), S)[0] * 2.0
+    torch.testing.assert_close(out.detach(), want, rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sonic.kernels.triton import launch
 from sonic.routing import scores
 
 BC = 32  # chunks per step of the scan
@@ -224,7 +225,7 @@ def scan_chunks(sums: Tensor, reverse: bool) -> Tensor:
     """(B, chunks, F) per-chunk sums -> per chunk, the sum over the earlier chunks (the later ones with reverse)."""
     B, NC, F = sums.shape
     out = _alloc(sums.shape, torch.float32, sums.device)
-    _scan_kernel[(B, triton.cdiv(F, 128))](sums, out, NC, F, REVERSE=reverse, BC=BC, BF=128, num_warps=4)
+    launch(_scan_kernel, (B, triton.cdiv(F, 128)))(sums, out, NC, F, REVERSE=reverse, BC=BC, BF=128, num_warps=4)
     return out
 
 
@@ -234,7 +235,7 @@ def _earlier_sums(x_TD: Tensor, S: int, BS: int) -> Tensor:
     BD = 128  # with 2 warps: 1.4x 64 with 4 on the H200 (bench/results/2026-11-25-h200-select-chunk-sums-sweep.json)
     grid = (T // S, triton.cdiv(S, BS), triton.cdiv(D, BD))
     sums = _alloc((grid[0], grid[1], D), torch.float32, x_TD.device)
-    _chunk_sums_kernel[grid](x_TD, sums, S, D, grid[1], BS=BS, BD=BD, num_warps=2)
+    launch(_chunk_sums_kernel, grid)(x_TD, sums, S, D, grid[1], BS=BS, BD=BD, num_warps=2)
     return scan_chunks(sums, reverse=False)
 
 
@@ -267,16 +268,16 @@ def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tupl
     earlier_x = _earlier_sums(x_TD, S, BS)  # (B, chunks, D)
     NC = earlier_x.shape[1]
     with_z = E <= TILE_MAX_E
-    _gram_kernel[(B, NC)](x_TD, w_ED, earlier_x, logits_TE, rstd_T, S, D, NC, E=E, EPS=scores.EPS, WITH_Z=with_z,
-                          PREC="ieee" if x_TD.dtype == torch.float32 else "tf32",
-                          BE=max(16, triton.next_power_of_2(E)) if with_z else 16, **cfg)
+    launch(_gram_kernel, (B, NC))(x_TD, w_ED, earlier_x, logits_TE, rstd_T, S, D, NC, E=E, EPS=scores.EPS,
+                                  WITH_Z=with_z, PREC="ieee" if x_TD.dtype == torch.float32 else "tf32",
+                                  BE=max(16, triton.next_power_of_2(E)) if with_z else 16, **cfg)
     if with_z:
         return logits_TE, rstd_T
     z_TE = _mm_fp32(x_TD, w_ED.t())
     earlier_z = earlier_x.view(B * NC, D) @ w_ED.float().t()  # the same rounded W as z's
     BE = min(128, max(16, triton.next_power_of_2(E)))
-    _logits_kernel[(B, NC, triton.cdiv(E, BE))](z_TE, earlier_z, rstd_T, logits_TE, S, NC, E=E, BS=BS, BE=BE,
-                                                num_warps=4)
+    launch(_logits_kernel, (B, NC, triton.cdiv(E, BE)))(z_TE, earlier_z, rstd_T, logits_TE, S, NC, E=E, BS=BS,
+                                                        BE=BE, num_warps=4)
     return logits_TE, rstd_T
 
 
@@ -295,7 +296,7 @@ def prefix_centred_logits_backward(dlogits_TE: Tensor, x_TD: Tensor, weight_ED: 
     BS, BE = cfg["BS"], cfg["BE"]
     B, NC = T // S, triton.cdiv(S, BS)
     sums_e = _alloc((B, NC, E), torch.float32, x_TD.device)
-    _dz_sums_kernel[(B, NC)](dlogits_TE, rstd_T, sums_e, S, NC, E=E, BS=BS, BE=BE, num_warps=4)
-    _q_kernel[(B, NC)](dlogits_TE, rstd_T, scan_chunks(sums_e, reverse=True), q_TE, S, NC, E=E, BS=BS, BE=BE,
+    launch(_dz_sums_kernel, (B, NC))(dlogits_TE, rstd_T, sums_e, S, NC, E=E, BS=BS, BE=BE, num_warps=4)
+    launch(_q_kernel, (B, NC))(dlogits_TE, rstd_T, scan_chunks(sums_e, reverse=True), q_TE, S, NC, E=E, BS=BS, BE=BE,
                        num_warps=4)
     return q_TE @ w_ED, (q_TE.t() @ x_TD).to(weight_ED.dtype)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sonic.kernels.triton import launch
 from sonic.kernels.triton.centring import runs_fused, scan_chunks
 from sonic.routing import scores
 
@@ -112,9 +113,10 @@ def prefix_standardise(logits_TE: Tensor, seq_len: int) -> tuple[Tensor, Tensor]
         return y_TE, _alloc((B, NC, 2, E), torch.float32, z_TE.device)
     grid = (B, NC, triton.cdiv(E, BE))
     sums = _alloc((B, NC, 2 * E), torch.float32, z_TE.device)
-    _norm_sums_kernel[grid](z_TE, sums, S, NC, E=E, L=L, BE=BE, num_warps=4)
+    launch(_norm_sums_kernel, grid)(z_TE, sums, S, NC, E=E, L=L, BE=BE, num_warps=4)
     stats = scan_chunks(sums, reverse=False).view(B, NC, 2, E)
-    _norm_forward_kernel[grid](z_TE, stats, y_TE, S, NC, E=E, L=L, BE=BE, PRIOR=scores.PRIOR_POSITIONS, num_warps=4)
+    launch(_norm_forward_kernel, grid)(z_TE, stats, y_TE, S, NC, E=E, L=L, BE=BE, PRIOR=scores.PRIOR_POSITIONS,
+                                       num_warps=4)
     return y_TE, stats
 
 
@@ -127,7 +129,7 @@ def prefix_standardise_backward(dy_TE: Tensor, y_TE: Tensor, stats: Tensor, seq_
     dz_TE = _alloc((T, E), torch.float32, y_TE.device)
     if T:
         BE = _block(E)
-        _norm_backward_kernel[(T // S, triton.cdiv(S, L), triton.cdiv(E, BE))](
+        launch(_norm_backward_kernel, (T // S, triton.cdiv(S, L), triton.cdiv(E, BE)))(
             dy_TE, y_TE, stats, dz_TE, S, stats.shape[1], E=E, L=L, BE=BE, PRIOR=scores.PRIOR_POSITIONS,
             UNROLL=UNROLL, num_warps=4)
     return dz_TE

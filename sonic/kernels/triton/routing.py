@@ -28,12 +28,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sonic.kernels.triton import launch
 from sonic.kernels.triton.centring import prefix_centred_logits, prefix_centred_logits_backward  # noqa: F401 (its centring)
 from sonic.kernels.triton.logit_norm import prefix_standardise, prefix_standardise_backward  # noqa: F401 (its logit norm)
 from sonic.kernels.triton.rounding import token_rounding_rows  # noqa: F401 (this backend's token-rounding selection)
+from sonic.ops import DualOp
 from sonic.routing.plan import RoutingPlan, TopK
 
 ORDERS = {"topk_softmax": 0, "softmax_topk": 1}
+# this backend's ops launch their kernels through sonic.kernels.triton.launch: torch.compile may trace them (sonic/ops.py)
+TRACED_OPS = True
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -211,32 +215,26 @@ def _select_launch(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renorm
     probsum_CE = _alloc((C, E), torch.float32, dev)
     counts_CE = _alloc((C, E), torch.int32, dev) if count else probsum_CE
     if T:
-        _select_kernel[(C,)](logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, T, E=E, K=k,
-                             ORDER=ORDERS[order], RENORM=renormalize, COUNT=count, SORT=k >= SORT_FROM_K, **cfg)
+        launch(_select_kernel, (C,))(logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, T, E=E, K=k,
+                                     ORDER=ORDERS[order], RENORM=renormalize, COUNT=count, SORT=k >= SORT_FROM_K,
+                                     **cfg)
     return idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, cfg
 
 
-@torch.library.custom_op("sonic::select_topk", mutates_args=())
-def _select(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool
-            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _select_impl(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     idx_TK, gates_TK, lse_T, probsum_CE, _, _ = _select_launch(logits_TE, bias_E, k, order, renormalize, False)
     return idx_TK, gates_TK, lse_T, probsum_CE.sum(0)  # a fixed-order sum: deterministic
 
 
-def _select_fake(logits_TE, k):
+def _select_fake(logits_TE, bias_E, k, order, renormalize):
     T, E = logits_TE.shape
     f32 = dict(dtype=torch.float32, device=logits_TE.device)
     return (logits_TE.new_empty((T, k), dtype=torch.int64), logits_TE.new_empty((T, k), **f32),
             logits_TE.new_empty((T,), **f32), logits_TE.new_empty((E,), **f32))
 
 
-@_select.register_fake
-def _(logits_TE, bias_E, k, order, renormalize):
-    return _select_fake(logits_TE, k)
-
-
-@torch.library.custom_op("sonic::route_topk", mutates_args=())
-def _route(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool) -> list[Tensor]:
+def _route_impl(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool) -> list[Tensor]:
     """select_topk and the plan of its picks in one op: (idx_TK, gates_TK, lse_T, probsum_E) and the plan's
     (token_idx_R, expert_idx_R, order_R, expert_offsets_E1, token_offsets_T1, rows_by_token_R), where
     order_R is each row's position in idx_TK.view(-1). Four launches: select (with per-chunk counts), the
@@ -251,23 +249,24 @@ def _route(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: b
     probsum_E = _alloc((E,), torch.float32, dev)
     expert_offsets_E1 = _alloc((E + 1,), torch.int32, dev)
     token_idx_R, expert_idx_R, order_R, rows_by_token_R = (_alloc((R,), torch.int32, dev) for _ in range(4))
-    _scan_chunks_kernel[(triton.cdiv(E, be),)](counts_CE, probsum_CE, base_CE, total_E, probsum_E, C, E=E, BC=32,
-                                               BE=be, num_warps=4)
-    _expert_offsets_kernel[(1,)](total_E, expert_offsets_E1, E=E,
-                                 BE=max(16, min(4096, triton.next_power_of_2(E))), num_warps=4)
+    launch(_scan_chunks_kernel, (triton.cdiv(E, be),))(counts_CE, probsum_CE, base_CE, total_E, probsum_E, C, E=E,
+                                                       BC=32, BE=be, num_warps=4)
+    launch(_expert_offsets_kernel, (1,))(total_E, expert_offsets_E1, E=E,
+                                         BE=max(16, min(4096, triton.next_power_of_2(E))), num_warps=4)
     if T:
-        _scatter_kernel[(C,)](idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_R, order_R,
-                              rows_by_token_R, T, E=E, K=k, BT=cfg["BT"] * cfg["SUB"], KP=cfg["KP"], num_warps=8)
+        launch(_scatter_kernel, (C,))(idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_R, order_R,
+                                      rows_by_token_R, T, E=E, K=k, BT=cfg["BT"] * cfg["SUB"], KP=cfg["KP"],
+                                      num_warps=8)
     token_offsets_T1 = torch.arange(0, R + 1, k, dtype=torch.int32, device=dev)
     return [idx_TK, gates_TK, lse_T, probsum_E, token_idx_R, expert_idx_R, order_R, expert_offsets_E1,
             token_offsets_T1, rows_by_token_R]
 
 
-@_route.register_fake
-def _(logits_TE, bias_E, k, order, renormalize):
+def _route_fake(logits_TE, bias_E, k, order, renormalize):
     T, E = logits_TE.shape
     i32 = lambda n: logits_TE.new_empty((n,), dtype=torch.int32)  # noqa: E731
-    return [*_select_fake(logits_TE, k), i32(T * k), i32(T * k), i32(T * k), i32(E + 1), i32(T + 1), i32(T * k)]
+    return [*_select_fake(logits_TE, bias_E, k, order, renormalize), i32(T * k), i32(T * k), i32(T * k), i32(E + 1),
+            i32(T + 1), i32(T * k)]
 
 
 @triton.jit(do_not_specialize=["C"])
@@ -350,23 +349,26 @@ def _scatter_kernel(idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_
     tl.store(rows_by_token_R + t_s.to(tl.int64) * K + slot_s, row, mask=valid)
 
 
-@torch.library.custom_op("sonic::select_topk_backward", mutates_args=())
-def _select_backward(logits_TE: Tensor, idx_TK: Tensor, gates_TK: Tensor, lse_T: Tensor, dgates_TK: Tensor,
+def _select_backward_impl(logits_TE: Tensor, idx_TK: Tensor, gates_TK: Tensor, lse_T: Tensor, dgates_TK: Tensor,
                      dprobsum_E: Tensor, dlse_T: Tensor, order: str, renormalize: bool) -> Tensor:
     T, E = logits_TE.shape
     K = idx_TK.shape[1]
     dlogits_TE = _alloc((T, E), logits_TE.dtype, logits_TE.device)
     if T:
         tiles = _tiles(E, K)
-        _select_backward_kernel[(triton.cdiv(T, tiles["BT"]),)](
+        launch(_select_backward_kernel, (triton.cdiv(T, tiles["BT"]),))(
             logits_TE, idx_TK, gates_TK, lse_T, dgates_TK.contiguous(), dprobsum_E.float().contiguous(),
             dlse_T.float().contiguous(), dlogits_TE, T, E=E, K=K, ORDER=ORDERS[order], RENORM=renormalize, **tiles)
     return dlogits_TE
 
 
-@_select_backward.register_fake
-def _(logits_TE, idx_TK, gates_TK, lse_T, dgates_TK, dprobsum_E, dlse_T, order, renormalize):
+def _select_backward_fake(logits_TE, idx_TK, gates_TK, lse_T, dgates_TK, dprobsum_E, dlse_T, order, renormalize):
     return torch.empty_like(logits_TE)
+
+
+_select = DualOp("select_topk", _select_impl, _select_fake)
+_route = DualOp("route_topk", _route_impl, _route_fake)
+_select_backward = DualOp("select_topk_backward", _select_backward_impl, _select_backward_fake)
 
 
 def _setup(ctx, inputs, output):
@@ -376,19 +378,19 @@ def _setup(ctx, inputs, output):
     ctx.order, ctx.renormalize = order, renormalize
 
 
-def _backward(ctx, grads):
+def _backward(backward_op, ctx, grads):
     """Both ops' backward: the gradients of (gates, lse, probsum) -> d logits; the rest has none."""
     logits_TE, idx_TK, gates_TK, lse_T = ctx.saved_tensors
     dgates_TK, dlse_T, dprobsum_E = grads[1:4]
     zeros = lambda g, like: torch.zeros_like(like) if g is None else g  # noqa: E731
-    dlogits_TE = _select_backward(logits_TE, idx_TK, gates_TK, lse_T, zeros(dgates_TK, gates_TK),
+    dlogits_TE = backward_op(logits_TE, idx_TK, gates_TK, lse_T, zeros(dgates_TK, gates_TK),
                                   zeros(dprobsum_E, lse_T.new_empty(logits_TE.shape[1])), zeros(dlse_T, lse_T),
                                   ctx.order, ctx.renormalize)
     return dlogits_TE, None, None, None, None
 
 
-_select.register_autograd(lambda ctx, *grads: _backward(ctx, grads), setup_context=_setup)
-_route.register_autograd(lambda ctx, grads: _backward(ctx, grads), setup_context=_setup)
+_select.register_autograd(lambda op, ctx, *grads: _backward(op, ctx, grads), _setup, _select_backward)
+_route.register_autograd(lambda op, ctx, grads: _backward(op, ctx, grads), _setup, _select_backward)
 
 
 def _check(logits_TE: Tensor, k: int) -> None:
@@ -402,7 +404,7 @@ def select_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormali
     """The torch backend's sonic.routing.token_choice.select_topk, fused: see the module docstring."""
     _check(logits_TE, k)
     idx_TK, gates_TK, lse_T, probsum_E = _select(logits_TE.contiguous(), bias_E.float().contiguous(), k, order,
-                                                renormalize)
+                                                renormalize, traced=True)
     return TopK(idx_TK, gates_TK, probsum_E, lse_T)
 
 
@@ -411,7 +413,8 @@ def route_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormaliz
     with no host sync, in one op."""
     _check(logits_TE, k)
     idx_TK, gates_TK, lse_T, probsum_E, token_idx_R, expert_idx_R, order_R, expert_offsets_E1, token_offsets_T1, \
-        rows_by_token_R = _route(logits_TE.contiguous(), bias_E.float().contiguous(), k, order, renormalize)
+        rows_by_token_R = _route(logits_TE.contiguous(), bias_E.float().contiguous(), k, order, renormalize,
+                                 traced=True)
     # index_select by a permutation: its backward is an index_add without collisions (no sort)
     plan = RoutingPlan(token_idx_R=token_idx_R, expert_idx_R=expert_idx_R,
                        scores_R=gates_TK.reshape(-1).index_select(0, order_R), expert_offsets_E1=expert_offsets_E1,

@@ -1,0 +1,40 @@
+"""Routing ops that torch.compile can trace into: one computation as two torch.library ops of one schema.
+
+  sonic::<name>         a custom op: opaque to torch.compile, cheap to dispatch in eager
+  sonic::<name>_traced  a triton_op: torch.compile traces its body, so inductor launches the Triton kernels in it
+                        (through sonic.kernels.triton.launch) from its own generated code, with no custom-op dispatch
+                        around them and no pass through Triton's launcher
+
+The routing kernels are small: at sonic_7b's shape a few microseconds of GPU time each, where a custom op's dispatch
+and Triton's launcher cost the host tens of microseconds, so a compiled MoE block waits on its host (on an H200,
+three ops of three launches each took the host 341 us as custom ops and 133 us traced, compiled). Eager calls take
+the custom op: a triton_op's eager dispatch cost 90 us more per call on torch 2.11. An implementation in torch ops
+stays opaque under torch.compile as well (`traced=False`): inductor's partitioner would regroup it, and could keep
+what the op's own backward recomputes (the router's centred input, T x D).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+
+class DualOp:
+    def __init__(self, name: str, fn: Callable, fake: Callable):
+        """fn: the implementation, type-annotated as a custom op's; fake: its shapes under fake tensors (the traced
+        op's fake is fn itself, as for every triton_op)."""
+        self.opaque = torch.library.custom_op(f"sonic::{name}", fn, mutates_args=())
+        self.opaque.register_fake(fake)
+        self.traced = torch.library.triton_op(f"sonic::{name}_traced", fn, mutates_args=())
+
+    def __call__(self, *args, traced: bool = False):
+        """The traced op where `traced` (fn launches its kernels through sonic.kernels.triton.launch) and
+        torch.compile is tracing the call; the custom op otherwise."""
+        return (self.traced if traced and torch.compiler.is_compiling() else self.opaque)(*args)
+
+    def register_autograd(self, backward: Callable, setup_context: Callable, backward_op: DualOp) -> None:
+        """backward(op, ctx, *grads), with op the matching one of backward_op's: the custom op's backward calls
+        the custom backward op, the traced op's the traced one, so the backward follows the forward's choice."""
+        for op, bwd in ((self.opaque, backward_op.opaque), (self.traced, backward_op.traced)):
+            op.register_autograd(functools.partial(backward, bwd), setup_context=setup_context)
