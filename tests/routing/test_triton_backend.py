@@ -77,7 +77,8 @@ CPU_CASES = [(37, 8, 2, False, False), (64, 12, 3, True, True), (5, 3, 3, True, 
 # the select kernel's top-K by sorting packed keys (from routing.SORT_FROM_K picks): ties, a partial expert block
 SORT_CASES = [(9, 300, 16, True, False), (20, 256, 16, False, True)]
 GPU_CASES = CPU_CASES + [(4096, 128, 8, False, True), (1000, 128, 8, True, True), (333, 512, 10, False, True),
-                         (257, 64, 4, True, False), (2048, 256, 16, False, False)]
+                         (257, 64, 4, True, False), (2048, 256, 16, False, False),
+                         (20000, 128, 8, False, True)]  # the last: more chunks than one step of the chunk scan
 # Every (E, K, order, dtype) compiles its own kernels (~1 s each on an H100): the shapes run in the models'
 # dtype and default order, every order in both dtypes on the few cases that reach each kernel path.
 GPU_ORDER_CASES = [(700, 8, 2, True, True), (333, 512, 10, False, True)]

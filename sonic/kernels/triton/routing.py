@@ -55,6 +55,7 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 # on an H200 sorting won at E 256, K 16 and lost at E 512, K 10, at E 128, K 8 and at E 64, K 4
 # (bench/results/2026-11-25-h200-select-sort-ab.json)
 SORT_FROM_K = 16
+SCAN_E, SCAN_C = 16, 256  # the chunk scan's experts per program and chunks per step
 
 
 def _tiles(E: int, K: int) -> dict:
@@ -243,14 +244,16 @@ def _route_impl(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormali
     dev, R = logits_TE.device, T * k
     idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, cfg = _select_launch(logits_TE, bias_E, k, order, renormalize,
                                                                          True)
-    C, be = counts_CE.shape[0], max(16, min(128, triton.next_power_of_2(E)))
+    C = counts_CE.shape[0]
     base_CE = _alloc((C, E), torch.int32, dev)
     total_E = _alloc((E,), torch.int32, dev)
     probsum_E = _alloc((E,), torch.float32, dev)
     expert_offsets_E1 = _alloc((E + 1,), torch.int32, dev)
     token_idx_R, expert_idx_R, order_R, rows_by_token_R = (_alloc((R,), torch.int32, dev) for _ in range(4))
-    launch(_scan_chunks_kernel, (triton.cdiv(E, be),))(counts_CE, probsum_CE, base_CE, total_E, probsum_E, C, E=E,
-                                                       BC=32, BE=be, num_warps=4)
+    # 16 experts a program, 256 chunks a step: the scan is latency-bound (one program over 128 experts in steps of
+    # 32 chunks took 37 us at 30B's 512 chunks on an H200)
+    launch(_scan_chunks_kernel, (triton.cdiv(E, SCAN_E),))(counts_CE, probsum_CE, base_CE, total_E, probsum_E, C, E=E,
+                                                           BC=SCAN_C, BE=SCAN_E, num_warps=4)
     launch(_expert_offsets_kernel, (1,))(total_E, expert_offsets_E1, E=E,
                                          BE=max(16, min(4096, triton.next_power_of_2(E))), num_warps=4)
     if T:
