@@ -6,11 +6,13 @@
                         around them and no pass through Triton's launcher
 
 The routing kernels are small: at sonic_7b's shape a few microseconds of GPU time each, where a custom op's dispatch
-and Triton's launcher cost the host tens of microseconds, so a compiled MoE block waits on its host (on an H200,
-three ops of three launches each took the host 341 us as custom ops and 133 us traced, compiled). Eager calls take
-the custom op: a triton_op's eager dispatch cost 90 us more per call on torch 2.11. An implementation in torch ops
-stays opaque under torch.compile as well (`traced=False`): inductor's partitioner would regroup it, and could keep
-what the op's own backward recomputes (the router's centred input, T x D).
+and Triton's launcher cost the host tens of microseconds, so issuing a compiled MoE block took the host about as long
+as the GPU took to run it (bench/results/2026-11-26-h200-block_ab-traced.json: the old custom ops against these,
+compiled block, cute experts; equal GPU times and checksums, shorter host times). A GPU-bound step, such as the
+40-layer trainer's, hides the host's time; a smaller model or a step that waits on the host does not. Eager calls
+keep the custom op, whose dispatch is the cheaper of the two there. An implementation in torch ops stays opaque under torch.compile as well
+(`traced=False`): inductor's partitioner would regroup it, and could keep what the op's own backward recomputes
+(the router's centred input, T x D).
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ mode, rows)` (token rounding's selection, sonic/routing/token_rounding.py), `pre
 `prefix_centred_logits_backward` (routing.input_centring=prefix), `prefix_standardise` and
 `prefix_standardise_backward` (routing.logit_norm=prefix; both pairs in sonic/routing/scores.py) and
 `unavailable_reason(device) -> str | None`, with identical results (ties included; the centring's and the
-logit norm's sums to fp32 rounding).
+logit norm's sums to fp32 rounding). A backend whose ops launch Triton kernels through
+sonic.kernels.triton.launch sets `TRACED_OPS = True`: under torch.compile its ops are traced (sonic/ops.py).
 """
 from __future__ import annotations
 

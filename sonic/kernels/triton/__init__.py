@@ -41,10 +41,9 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 def launch(kernel, grid):
     """kernel[grid], as a callable. While torch traces the call (its tensors are fake or functional: the body of a
-    torch.library.triton_op under torch.compile), through torch.library.wrap_triton, so that inductor launches the
-    kernel from its own generated code, with no custom-op dispatch around it (on an H200 three ops of three launches
-    each took the host 133 us compiled as triton_ops, 341 us as custom ops). A plain launch otherwise: eager calls keep
-    Triton's launcher, with no dispatch through wrap_triton's higher-order op."""
+    traced op, sonic/ops.py, under torch.compile), through torch.library.wrap_triton, so that inductor launches the
+    kernel from its own generated code. A plain launch otherwise: eager calls keep Triton's launcher, with no dispatch
+    through wrap_triton's higher-order op."""
     def run(*args, **kwargs):
         traced = any(type(a) not in (Tensor, torch.nn.Parameter) for a in args if isinstance(a, Tensor))
         return (torch.library.wrap_triton(kernel) if traced else kernel)[grid](*args, **kwargs)
