@@ -10,9 +10,9 @@ and Triton's launcher cost the host tens of microseconds, so issuing a compiled 
 as the GPU took to run it (bench/results/2026-11-26-h200-block_ab-traced.json: the old custom ops against these,
 compiled block, cute experts; equal GPU times and checksums, shorter host times). A GPU-bound step, such as the
 40-layer trainer's, hides the host's time; a smaller model or a step that waits on the host does not. Eager calls
-keep the custom op, whose dispatch is the cheaper of the two there. An implementation in torch ops stays opaque under torch.compile as well
-(`traced=False`): inductor's partitioner would regroup it, and could keep what the op's own backward recomputes
-(the router's centred input, T x D).
+keep the custom op, whose dispatch is the cheaper of the two there. An implementation in torch ops stays opaque
+under torch.compile as well (`traced=False`): inductor's partitioner would regroup it, and could keep what the op's
+own backward recomputes (the router's centred input, T x D).
 """
 from __future__ import annotations
 
