@@ -35,8 +35,11 @@ class DualOp:
         torch.compile is tracing the call; the custom op otherwise."""
         return (self.traced if traced and torch.compiler.is_compiling() else self.opaque)(*args)
 
-    def register_autograd(self, backward: Callable, setup_context: Callable, backward_op: DualOp) -> None:
+    def register_autograd(self, backward: Callable, setup_context: Callable, backward_op: DualOp,
+                          traced_backward: bool = True) -> None:
         """backward(op, ctx, *grads), with op the matching one of backward_op's: the custom op's backward calls
-        the custom backward op, the traced op's the traced one, so the backward follows the forward's choice."""
-        for op, bwd in ((self.opaque, backward_op.opaque), (self.traced, backward_op.traced)):
+        the custom backward op, the traced op's the traced one (the custom one where not traced_backward), so the
+        backward follows the forward's choice."""
+        traced_bwd = backward_op.traced if traced_backward else backward_op.opaque
+        for op, bwd in ((self.opaque, backward_op.opaque), (self.traced, traced_bwd)):
             op.register_autograd(functools.partial(backward, bwd), setup_context=setup_context)

@@ -335,6 +335,28 @@ def test_gather_sum(D, max_per_lane):
         assert rel_err(out, ref) < 2e-3
 
 
+# every lane's chunks in the row (d = 512: one slice of 2 per lane), and not (d = 264); tokens with no rows, one, a
+# warp's worth (32) and more, whose row indices the kernel takes 32 at a time
+@pytest.mark.parametrize("D", [512, 264])
+@pytest.mark.gpu
+@needs_cute
+def test_gather_sum_of_any_rows_per_token(D):
+    from sonic.kernels.cute import ops
+    gen = torch.Generator().manual_seed(D)
+    counts = torch.tensor([0, 1, 31, 32, 33, 64, 70, 0, 8, 5] * 5)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).int().cuda()
+    R = int(counts.sum())
+    rows_by_token = torch.randperm(R, generator=gen).int().cuda()
+    rows = torch.randn(R, D, generator=gen).bfloat16().cuda()
+    scores = torch.rand(R, generator=gen).cuda()
+    token = torch.repeat_interleave(torch.arange(len(counts)), counts).cuda()
+    for w in (scores, None):
+        out = ops.gather_sum(rows, offsets, rows_by_token, w, out=poisoned(len(counts), D))
+        picked = rows[rows_by_token.long()].float() * (1 if w is None else w[rows_by_token.long()][:, None])
+        ref = torch.zeros(len(counts), D, device="cuda").index_add_(0, token, picked)
+        assert rel_err(out, ref) < 2e-3 and out[counts.cuda() == 0].abs().max() == 0
+
+
 # --------------------------------------------------------------------------- the layer
 def _layer(backend, x, w1, w2, plan, dout):
     from sonic.kernels import experts
