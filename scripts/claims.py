@@ -788,6 +788,20 @@ TABLES = (
                          {"kernel": "down"}, f"sweeps.{key}.rows")
                      for name, key in (("Qwen3-Next", "qwen3next"), ("30B", "30b"))),
           columns=sweep_columns("pp192c2", "pp176c2", "pp160c2", "pp128c2")),
+    Table("block_ab_traced", first="tree, config, round", caption="The compiled MoE block (cute experts) from two "
+          "trees, one process per tree and round (`python -m bench.block_ab`, one H200, the official layer not run): "
+          "`162e72c`, whose routing ops were custom ops, and `3a3201e`, whose triton routing ops torch.compile "
+          "traces (`sonic/ops.py`). do_bench medians; the host's time to issue one call, compiled and eager (the "
+          "device idle before and after); the output's checksum, equal in every row.",
+          rows=tuple(Row(f"{tag.split('-')[0]} `{tag.split('-')[1]}`, {config}, {r + 1}",
+                         "bench/results/2026-11-26-h200-block_ab-traced.json", {"name": config},
+                         f"rounds.{r}.{tag}.configs")
+                     for r in (0, 1) for config in ("7B", "30B") for tag in ("main-162e72c", "traced-3a3201e")),
+          columns=(Field("fwd ms", "fwd_ms", digits=3), Field("f+b ms", "fb_ms", digits=3),
+                   Field("issue fwd ms", "issue_ms.fwd", digits=2), Field("issue f+b ms", "issue_ms.fb", digits=2),
+                   Field("eager issue fwd ms", "eager_issue_ms.fwd", digits=2),
+                   Field("eager issue f+b ms", "eager_issue_ms.fb", digits=2),
+                   Field("output sum", "check.out_sum", digits=3))),
     Table("gather_sum", first="shape, sum", caption="The cute gather-sum by the 16-byte chunks a lane holds per "
           "column slice (`python -m bench.gather_sum`, one H200, `a521b6d`, do_bench medians with L2 flushed, seven "
           "interleaved rounds): 16 keeps a 4096-wide row whole, as the kernel did before. Weighted is the forward's "
