@@ -92,7 +92,12 @@ def _centred_logits_backward_fake(dlogits_TE, x_TD, weight_ED, rstd_T, seq_len, 
     return torch.empty_like(x_TD), torch.empty_like(weight_ED)
 
 
-_centred_logits = DualOp("centred_router_logits_const_scale", _centred_logits_impl, _centred_logits_fake)
+# The traced op's backward stays opaque (traced_backward=False): it ends in a GEMM, dx = q W, whose output autograd
+# adds to the experts' dx. Traced, inductor fused that add into the GEMM as an addmm, which copies the experts' dx
+# into its output first: on an H200 at 30B's shape the GEMM and the copy took 0.33 ms, the GEMM and the add 0.28 ms
+# (bench/results/2026-11-26-h200-block_profile-traced-8bab608.json beside ...-block_profile-custom-99ee76a.json).
+_centred_logits = DualOp("centred_router_logits_const_scale", _centred_logits_impl, _centred_logits_fake,
+                         traced_backward=False)
 _centred_logits_backward = DualOp("centred_router_logits_const_scale_backward", _centred_logits_backward_impl,
                                   _centred_logits_backward_fake)
 
@@ -110,11 +115,7 @@ def _backward(backward_op, ctx, dlogits_TE, _drstd):
     return dx_TD, dweight_ED, None, None
 
 
-# The backward stays opaque under torch.compile: it ends in a GEMM, dx = q W, whose output autograd adds to the
-# experts' dx. Traced, inductor fused that add into the GEMM as an addmm, which copies the experts' dx into its output
-# first: on an H200 at 30B's shape the GEMM and the copy took 0.33 ms, the GEMM and the add 0.28 ms
-# (bench/results/2026-11-26-h200-block_profile-traced-8bab608.json beside ...-block_profile-custom-99ee76a.json).
-_centred_logits.register_autograd(_backward, _setup, _centred_logits_backward, traced_backward=False)
+_centred_logits.register_autograd(_backward, _setup, _centred_logits_backward)
 
 
 def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:

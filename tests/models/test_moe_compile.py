@@ -92,7 +92,7 @@ def test_block_compiles_with_inductor_on_gpu(routing):
     names = [str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"]
     routing_ops = [n.split(".")[1] for n in names if n.startswith("sonic.") and "experts" not in n
                    and "token_rounding" not in n]
-    assert routing_ops and all(n.endswith("_traced") for n in routing_ops), names
+    assert routing_ops and all("_traced" in n for n in routing_ops), names
     torch._dynamo.reset()
 
 

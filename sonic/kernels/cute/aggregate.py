@@ -6,8 +6,9 @@ accumulators for its 16-byte chunks of the slice, walks the token's rows in `row
 order (deterministic, no atomics) and stores bf16 once. The warp loads the token's row indices
 (and scores) 32 at a time, one per lane, and hands each row's to every lane by a shuffle, so
 the row loads of several rows are in flight together rather than each waiting on a load of its
-index. It is bandwidth-bound: R*D reads and T*D writes. Rows can be split into column slices over the grid's second dimension, so that
-a lane holds at most `max_per_lane` chunks; `default_max_per_lane` says when that pays.
+index. It is bandwidth-bound: R*D reads and T*D writes. Rows can be split into column slices
+over the grid's second dimension, so that a lane holds at most `max_per_lane` chunks;
+`default_max_per_lane` says when that pays.
 """
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ ROW_UNROLL = 4  # rows of a token in flight at once (top-K gives K of them)
 def default_max_per_lane(D: int, weighted: bool) -> int:
     """16-byte chunks per lane and column slice, by measurement (H200, `python -m bench.gather_sum`,
     bench/results/2026-11-25-h200-gather_sum.json: the fastest at the 7B, 30B, OLMoE and 1.4B shapes alike).
-    Narrow slices mean few registers and many warps per SM, which hide the latency of the row-index load
-    that every row waits on (d = 4096: whole rows 0.79 / 1.33 ms, these 0.57 / 0.61). The weighted sum also
-    waits on the score, and does best with a little more work per lane."""
+    Narrow slices mean few registers and many warps per SM, which hide the rows' load latency (d = 4096: whole
+    rows 0.79 / 1.33 ms, these 0.57 / 0.61; measured before the row indices came by shuffle, see the module
+    docstring). The weighted sum also waited on the score, and did best with a little more work per lane."""
     return 4 if weighted else 2
 
 
