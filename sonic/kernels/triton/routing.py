@@ -407,7 +407,7 @@ def select_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormali
     """The torch backend's sonic.routing.token_choice.select_topk, fused: see the module docstring."""
     _check(logits_TE, k)
     idx_TK, gates_TK, lse_T, probsum_E = _select(logits_TE.contiguous(), bias_E.float().contiguous(), k, order,
-                                                renormalize, traced=True)
+                                                renormalize, traced=TRACED_OPS)
     return TopK(idx_TK, gates_TK, probsum_E, lse_T)
 
 
@@ -417,7 +417,7 @@ def route_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormaliz
     _check(logits_TE, k)
     idx_TK, gates_TK, lse_T, probsum_E, token_idx_R, expert_idx_R, order_R, expert_offsets_E1, token_offsets_T1, \
         rows_by_token_R = _route(logits_TE.contiguous(), bias_E.float().contiguous(), k, order, renormalize,
-                                 traced=True)
+                                 traced=TRACED_OPS)
     # index_select by a permutation: its backward is an index_add without collisions (no sort)
     plan = RoutingPlan(token_idx_R=token_idx_R, expert_idx_R=expert_idx_R,
                        scores_R=gates_TK.reshape(-1).index_select(0, order_R), expert_offsets_E1=expert_offsets_E1,
