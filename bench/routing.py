@@ -7,14 +7,23 @@ timed with do_bench medians after warm-up. The plans are checked equal first.
 
 Run:   python -m bench.routing [--configs 7B,30B,Qwen3-Next] [--backends torch,triton]
        python -m bench.routing --shape 256,16,4 --backends torch   (CPU smoke)
+
+--select-tiles BT,SUB,WARPS/... adds a bounded sweep of the triton backend's top-K route (select kernel, chunk scan,
+scatter: sonic/kernels/triton/routing.py), its tiles of BT tokens, SUB tiles a chunk and the select kernel's warps
+standing in for `_chunks` (a benchmark-only substitution), beside the default: per config, the picks and the plan
+checked equal to the default's (the gates and sums to rounding: a tile's shape sets the order of its reductions),
+and the route's kernels' GPU time per call (torch.profiler over --profile-calls calls, the configs alternating
+within each of 3 rounds; the median round), which do_bench would not show for kernels this short, as the host
+issues them slower than the GPU runs them.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
-from bench.common import bench_ms, result_path, table, write_json
+from bench.common import bench_ms, kernel_times, profiled, result_path, table, write_json
 from bench.moe_configs import CONFIGS
 from sonic.routing import Router, RoutingConfig
 
@@ -25,6 +34,8 @@ def main() -> None:
     ap.add_argument("--shape", help="T,E,K instead of --configs (e.g. a CPU smoke run)")
     ap.add_argument("--backends", default="torch,triton")
     ap.add_argument("--methods", default="topk,token_rounding")
+    ap.add_argument("--select-tiles", default="", help="BT,SUB,WARPS/... of the triton top-K route (a sweep)")
+    ap.add_argument("--profile-calls", type=int, default=20)
     ap.add_argument("--json")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -54,9 +65,52 @@ def main() -> None:
             records.append({"config": name, "shape": [T, E, K], "backend": backend, "method": method, "fwd_ms": f,
                             "fb_ms": fb_ms, "plans_equal": same})
             rows.append([name, method, backend, f"{f:.3f}", f"{fb_ms:.3f}", same])
-    path = write_json(result_path("routing", args.json), {"records": records})
+    sweep = [select_tiles_sweep(name, T, E, K, args.select_tiles, args.profile_calls, device)
+             for name, (T, E, K) in shapes.items()] if args.select_tiles else []
+    path = write_json(result_path("routing", args.json), {"records": records, "select_tiles": sweep})
     print(table(rows, ["config", "method", "backend", "fwd ms", "fwd+bwd ms", "plans equal (per method)"]))
     print(f"wrote {path}")
+
+
+def select_tiles_sweep(name: str, T: int, E: int, K: int, spec: str, calls: int, device: torch.device) -> dict:
+    """The triton top-K route under each tile config of `spec` (module docstring) beside the default: whether its
+    outputs equal the default's, and the median over 3 alternating rounds of its kernels' GPU us per call."""
+    from sonic.kernels.triton import routing as fused
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randn(T, E, generator=gen, device=device) * 2).float()
+    bias = torch.zeros(E, device=device)
+    default = fused._chunks
+    configs = {"default": default(E, K)}
+    for item in filter(None, spec.split("/")):
+        bt, sub, warps = map(int, item.split(","))
+        configs[item] = dict(default(E, K), BT=bt, SUB=sub, num_warps=warps)
+    want = None
+    runs: dict[str, list[float]] = {c: [] for c in configs}
+    same: dict[str, bool] = {}
+    cuda = device.type == "cuda"
+    try:
+        for _ in range(3):
+            for label, cfg in configs.items():
+                fused._chunks = lambda E_, K_, cfg=cfg: dict(cfg)  # noqa: E731 (benchmark-only substitution)
+                out = fused._route_impl(logits, bias, K, "softmax_topk", True)
+                if want is None:
+                    want = out
+                # the picks and the plan exactly; the floats (gates, lse, probsum) to rounding: another tile shape
+                # reduces a row, or sums the probabilities of a chunk, in another order
+                ok = all(torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                         for a, b in zip(out, want))
+                same[label] = same.get(label, True) and ok
+                _, prof = profiled(lambda: [fused._route_impl(logits, bias, K, "softmax_topk", True)
+                                            for _ in range(calls)], cuda)
+                runs[label].append(1e3 * sum(ms for _, ms, _ in kernel_times(prof, cuda)) / calls)
+    finally:
+        fused._chunks = default
+    rows = {label: {"config": configs[label], "us_per_call": statistics.median(us), "rounds_us": us,
+                    "plan_equal": same[label]} for label, us in runs.items()}
+    print(table([[name, label, f"{r['us_per_call']:.1f}", r["plan_equal"]] for label, r in rows.items()],
+                ["config", "BT,SUB,WARPS", "route us (kernels)", "plan equal"]))
+    return {"config": name, "shape": [T, E, K], "configs": rows}
 
 
 if __name__ == "__main__":

@@ -17,3 +17,27 @@ def test_routing_bench_writes_records(tmp_path):
     for rec in records:
         assert rec["backend"] == "torch" and rec["shape"] == [256, 16, 4] and rec["plans_equal"] is True
         assert 0 < rec["fwd_ms"] and 0 < rec["fb_ms"]
+
+
+def test_select_tiles_sweep_checks_and_records_each_config(tmp_path):
+    """--select-tiles runs the triton route (in Triton's interpreter here) under each tile config beside the
+    default, records every config's kernel time and whether its outputs matched the default's, and restores the
+    module's own `_chunks` afterwards."""
+    import importlib.util
+    import os
+
+    import pytest
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    out = tmp_path / "routing.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.routing", "--shape", "64,16,4", "--backends", "torch",
+                           "--methods", "topk", "--select-tiles", "8,2,4/32,1,2", "--profile-calls", "1",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (sweep,) = json.loads(out.read_text())["select_tiles"]
+    assert sweep["shape"] == [64, 16, 4] and list(sweep["configs"]) == ["default", "8,2,4", "32,1,2"]
+    assert sweep["configs"]["32,1,2"]["config"]["BT"] == 32 and sweep["configs"]["32,1,2"]["config"]["SUB"] == 1
+    for row in sweep["configs"].values():
+        assert row["plan_equal"] is True and len(row["rounds_us"]) == 3 and row["us_per_call"] >= 0

@@ -117,8 +117,36 @@ def _centred_logits(z, earlier_z, n, rstd):
 
 
 @triton.jit
-def _gram_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E: tl.constexpr, EPS: tl.constexpr,
-                 WITH_Z: tl.constexpr, PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+def _carry_parts_kernel(earlier_ptr, parts_ptr, carry_sq_ptr, NC, D, BS: tl.constexpr, BD: tl.constexpr):
+    """Per (sequence, chunk) row: the carry's mean (carry / its count of positions) as two 16-bit parts, hi + lo
+    (parts[row, 0] and parts[row, 1]: exact to 2^-17, no 16-bit overflow), and |carry|^2 as those parts give it
+    (so that every product with the carry, in the Gram kernel and W carry, reads the same carry)."""
+    row = tl.program_id(0)
+    scale = tl.maximum((row % NC) * BS, 1).to(tl.float32)
+    acc = tl.zeros((BD,), tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        mean = tl.load(earlier_ptr + row.to(tl.int64) * D + d, mask=d < D, other=0.0) / scale
+        hi = mean.to(parts_ptr.dtype.element_ty)
+        lo = (mean - hi.to(tl.float32)).to(parts_ptr.dtype.element_ty)
+        tl.store(parts_ptr + (row.to(tl.int64) * 2) * D + d, hi, mask=d < D)
+        tl.store(parts_ptr + (row.to(tl.int64) * 2 + 1) * D + d, lo, mask=d < D)
+        both = hi.to(tl.float32) + lo.to(tl.float32)
+        acc += both * both
+    tl.store(carry_sq_ptr + row, tl.sum(acc, axis=0) * scale * scale)
+
+
+@triton.jit
+def _earlier_z(wc_ptr, row, e, em, scale, E: tl.constexpr):
+    """W carry of a (sequence, chunk) row from W times its two parts (fp32, rows 2 row and 2 row + 1 of wc)."""
+    lo = row.to(tl.int64) * 2 * E + e
+    return (tl.load(wc_ptr + lo, mask=em, other=0.0) + tl.load(wc_ptr + lo + E, mask=em, other=0.0)) * scale
+
+
+@triton.jit
+def _gram_kernel(x_ptr, w_ptr, parts_ptr, carry_sq_ptr, wc_ptr, logits_ptr, rstd_ptr, S, D, NC, E: tl.constexpr,
+                 EPS: tl.constexpr, WITH_Z: tl.constexpr, PREC: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
+                 BE: tl.constexpr):
     """One chunk's rstd and, WITH_Z (E <= TILE_MAX_E), its logits, from products of x that need no centred c.
 
     With carry the sum of the earlier chunks' positions, M_i = carry + sum_{j<i} x_j the earlier sum of chunk
@@ -126,56 +154,49 @@ def _gram_kernel(x_ptr, w_ptr, earlier_ptr, logits_ptr, rstd_ptr, S, D, NC, E: t
       W c_i   = z_i - (W carry + sum_{j<i} z_j) / n_i,                          z = x W^T
       |c_i|^2 = G_ii - 2 (p_i + sum_{j<i} G_ij) / n_i + |M_i|^2 / n_i^2,       G = x x^T, p = x . carry
       |M_i|^2 = |carry|^2 + 2 sum_{j<i} p_j + sum_{j,k<i} G_jk, the last an exclusive scan of 2 sum_{k<j} G_jk + G_jj.
-    Over the feature blocks only dots read the loaded x: z, G, and p and W carry against the carry's mean split into
-    two 16-bit parts, hi + lo, as columns of a 16-wide operand (exact to 2^-17, and no 16-bit overflow; elementwise
-    products with the carry ran within a few percent of it on an H200, faster at 30B's shape and slower at E 64:
-    bench/results/2026-11-26-h200-centring-gram-v1-ab.json beside ...-gram-ab.json).
-    No centred c sits in the loop, where centring each block first put a dot, a subtraction and a rounding before
-    W c. The expansion cancels the shared part of x in fp32 from exact products: c unrounded, as the linearity
-    way's logits (module docstring)."""
+    The loop over the feature blocks is three dots on what it loads (z, G, and p against the carry's mean as the
+    16-bit parts hi + lo, the columns of a 16-wide operand that is zero past them); W carry and |carry|^2 come in
+    (_carry_parts_kernel, W times the parts in cuBLAS). Only loads that feed the tensor cores sit in the loop, so
+    Triton pipelines them: with the parts formed and W carry summed in the loop, it pipelined neither x nor W and
+    waited on every load. The expansion cancels the shared part of x in fp32 from exact products: c unrounded, as
+    the linearity way's logits (module docstring)."""
     seq, chunk = tl.program_id(0), tl.program_id(1)
+    row = seq * NC + chunk
     _, rows, sm, n = _positions(seq, chunk, S, BS)
     e = tl.arange(0, BE)
     em = e < E
-    col = tl.arange(0, 16)[None, :]
+    part = tl.arange(0, 16)
     scale = tl.maximum(chunk * BS, 1).to(tl.float32)  # the carry's count of positions
     z = tl.zeros((BS, BE), tl.float32)
     gram = tl.zeros((BS, BS), tl.float32)
     p16 = tl.zeros((BS, 16), tl.float32)
-    wc16 = tl.zeros((16, BE), tl.float32)
-    carry_sq = tl.zeros((BD,), tl.float32)
     for d0 in range(0, D, BD):
         d = d0 + tl.arange(0, BD)
         x = _load_x(x_ptr, rows, sm, d0, D, BD)
-        carry = tl.load(earlier_ptr + (seq.to(tl.int64) * NC + chunk) * D + d, mask=d < D, other=0.0)
-        carry_sq += carry * carry
-        hi = (carry / scale).to(x_ptr.dtype.element_ty).to(tl.float32)
-        lo = (carry / scale - hi).to(x_ptr.dtype.element_ty).to(tl.float32)
-        mean2 = tl.where(col == 0, hi[:, None], tl.where(col == 1, lo[:, None], 0.0)).to(x_ptr.dtype.element_ty)
+        parts = tl.load(parts_ptr + (row.to(tl.int64) * 2 + part[None, :]) * D + d[:, None],
+                        mask=(part < 2)[None, :] & (d < D)[:, None], other=0.0)  # (BD, 16): hi, lo, zeros
         gram = tl.dot(x, tl.trans(x), gram, input_precision=PREC)
-        p16 = tl.dot(x, mean2, p16, input_precision=PREC)
+        p16 = tl.dot(x, parts, p16, input_precision=PREC)
         if WITH_Z:
             w = tl.load(w_ptr + e[None, :] * D + d[:, None], mask=(d < D)[:, None] & em[None, :], other=0.0)  # W^T
             z = tl.dot(x, w, z, input_precision=PREC)
-            wc16 = tl.dot(tl.trans(mean2), w, wc16, input_precision=PREC)
     p = tl.sum(p16, axis=1) * scale
     i = tl.arange(0, BS)
     diag = tl.sum(tl.where(i[:, None] == i[None, :], gram, 0.0), axis=1)
     row_earlier = tl.sum(tl.where(i[None, :] < i[:, None], gram, 0.0), axis=1)  # sum_{j<i} G_ij
-    m_sq = tl.sum(carry_sq, axis=0) + 2 * (tl.cumsum(p, axis=0) - p)
+    m_sq = tl.load(carry_sq_ptr + row) + 2 * (tl.cumsum(p, axis=0) - p)
     step = 2 * row_earlier + diag
     m_sq += tl.cumsum(step, axis=0) - step
     c_sq = diag - 2 * (p + row_earlier) / n + m_sq / (n * n)
     rstd = tl.rsqrt(tl.maximum(c_sq, 0.0) / D + EPS)  # the expansion's rounding may dip below 0 where c ~ 0
     tl.store(rstd_ptr + rows, rstd, mask=sm)
     if WITH_Z:
-        logits = _centred_logits(z, tl.sum(wc16, axis=0) * scale, n, rstd)
+        logits = _centred_logits(z, _earlier_z(wc_ptr, row, e, em, scale, E), n, rstd)
         tl.store(logits_ptr + rows[:, None] * E + e[None, :], logits, mask=sm[:, None] & em[None, :])
 
 
 @triton.jit
-def _logits_kernel(z_ptr, earlier_z_ptr, rstd_ptr, logits_ptr, S, NC, E: tl.constexpr, BS: tl.constexpr,
-                   BE: tl.constexpr):
+def _logits_kernel(z_ptr, wc_ptr, rstd_ptr, logits_ptr, S, NC, E: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr):
     """logits = (z - (the earlier chunks' sum of z + the tile's earlier positions') / n) * rstd for one (sequence,
     chunk, block of experts)."""
     seq, chunk, eblk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -184,7 +205,7 @@ def _logits_kernel(z_ptr, earlier_z_ptr, rstd_ptr, logits_ptr, S, NC, E: tl.cons
     em = e < E
     m = sm[:, None] & em[None, :]
     z = tl.load(z_ptr + rows[:, None] * E + e[None, :], mask=m, other=0.0)
-    earlier = tl.load(earlier_z_ptr + (seq.to(tl.int64) * NC + chunk) * E + e, mask=em, other=0.0)
+    earlier = _earlier_z(wc_ptr, seq * NC + chunk, e, em, tl.maximum(chunk * BS, 1).to(tl.float32), E)
     rstd = tl.load(rstd_ptr + rows, mask=sm, other=0.0)
     logits = _centred_logits(z, earlier, n, rstd)
     tl.store(logits_ptr + rows[:, None] * E + e[None, :], logits, mask=m)
@@ -267,17 +288,20 @@ def prefix_centred_logits(x_TD: Tensor, weight_ED: Tensor, seq_len: int) -> tupl
     BS, B = cfg["BS"], T // S
     earlier_x = _earlier_sums(x_TD, S, BS)  # (B, chunks, D)
     NC = earlier_x.shape[1]
+    parts = _alloc((B * NC, 2, D), x_TD.dtype, x_TD.device)
+    carry_sq = _alloc((B * NC,), torch.float32, x_TD.device)
+    launch(_carry_parts_kernel, (B * NC,))(earlier_x, parts, carry_sq, NC, D, BS=BS, BD=512, num_warps=4)
+    wc = _mm_fp32(parts.view(B * NC * 2, D), w_ED.t())  # W times each part: exact products, summed in fp32
     with_z = E <= TILE_MAX_E
-    launch(_gram_kernel, (B, NC))(x_TD, w_ED, earlier_x, logits_TE, rstd_T, S, D, NC, E=E, EPS=scores.EPS,
+    launch(_gram_kernel, (B, NC))(x_TD, w_ED, parts, carry_sq, wc, logits_TE, rstd_T, S, D, NC, E=E, EPS=scores.EPS,
                                   WITH_Z=with_z, PREC="ieee" if x_TD.dtype == torch.float32 else "tf32",
                                   BE=max(16, triton.next_power_of_2(E)) if with_z else 16, **cfg)
     if with_z:
         return logits_TE, rstd_T
     z_TE = _mm_fp32(x_TD, w_ED.t())
-    earlier_z = earlier_x.view(B * NC, D) @ w_ED.float().t()  # the same rounded W as z's
     BE = min(128, max(16, triton.next_power_of_2(E)))
-    launch(_logits_kernel, (B, NC, triton.cdiv(E, BE)))(z_TE, earlier_z, rstd_T, logits_TE, S, NC, E=E, BS=BS,
-                                                        BE=BE, num_warps=4)
+    launch(_logits_kernel, (B, NC, triton.cdiv(E, BE)))(z_TE, wc, rstd_T, logits_TE, S, NC, E=E, BS=BS, BE=BE,
+                                                        num_warps=4)
     return logits_TE, rstd_T
 
 
