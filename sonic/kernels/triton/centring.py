@@ -7,17 +7,18 @@ dtype; logits_t = (W c_t) * rstd_t, rstd_t = rsqrt(mean(c_t^2) + EPS).
 
 The forward has two ways; a tile is (sequence, chunk of BS positions) x (block of BD features) or (block of
 experts), and the chunks are independent, so every kernel's programs run in parallel. Both start from the chunk
-sums of x and their scan: each chunk's earlier sum, the carry (B x chunks x D, fp32). Per chunk, one kernel
-(_gram_kernel) then sums products of x alone over the feature blocks: the Gram matrix x x^T and x against the
-carry, from which |c|^2 and so rstd follow by expanding c = x - M / n (its docstring has the algebra), c itself
-never formed. Every product is on tensor cores from exact 16-bit inputs, the carry split into two 16-bit parts;
-the shared part of x cancels in fp32, so the result is c unrounded, closer to the fp64 definition than the
-definition's own bf16 evaluation of W c.
-  E <= 128  (TILE_MAX_E) the same kernel also sums z = x W^T and W against the carry, and forms the logits:
+sums of x and their scan: each chunk's earlier sum, the carry (B x chunks x D, fp32), whose mean over its positions
+a small kernel splits into two 16-bit parts (hi + lo: exact to 2^-17) with |carry|^2, and cuBLAS multiplies by W
+(W carry, exact products summed in fp32). Per chunk, one kernel (_gram_kernel) then sums products of x alone over the
+feature blocks: the Gram matrix x x^T and x against the carry's parts, from which |c|^2 and so rstd follow by
+expanding c = x - M / n (its docstring has the algebra), c itself never formed. Every product is on tensor cores
+from exact 16-bit inputs; the shared part of x cancels in fp32, so the result is c unrounded, closer to the fp64
+definition than the definition's own bf16 evaluation of W c.
+  E <= 128  (TILE_MAX_E) the same kernel also sums z = x W^T and forms the logits:
             W c_t = z_t - (W carry + the chunk's earlier z) / n_t. Every chunk reads all of W, so W's traffic is
             E / BS times x's, and the (BS, E) accumulator caps BS.
-  above     z = W x and W times the carries are cuBLAS GEMMs with fp32 results, in the same rounded W so that the
-            earlier positions' share cancels; then per chunk and block of experts, the logits (_logits_kernel). More
+  above     z = W x is a cuBLAS GEMM with an fp32 result, in the same rounded W as W carry so that the earlier
+            positions' share cancels; then per chunk and block of experts, the logits (_logits_kernel). More
             launches, which cost more than the kernel's W traffic at small E. (A sequential walk over the chunks
             instead of the sums and scan was latency-bound: bench/results/2026-11-25-h200-centring-linearity-ab.json.)
   Centring each feature block first (c = x minus a lower-triangular dot, rounded, then W c) was 1.24x slower at
@@ -61,11 +62,12 @@ def _tiles(E: int) -> dict:
 
 
 def _forward_tiles(E: int) -> dict:
-    """The forward's chunk of positions (BS) and block of features (BD) for the sums and the Gram kernel: with W c
-    in the kernel (E <= TILE_MAX_E) 128 positions on 8 warps, else 64 on 4 (each the faster of the two at every
-    shape measured on an H200, by 4-23%: bench/results/2026-11-26-h200-centring-gram-ab.json). The logits' block
-    of experts is at most 128 wide."""
-    return dict(BS=128, BD=64, num_warps=8) if E <= TILE_MAX_E else dict(BS=64, BD=64, num_warps=4)
+    """The forward's chunk of positions (BS) and block of features (BD) for the sums and the Gram kernel, the same at
+    every E: 64 positions on 4 warps halve the Gram matrix's products against 128 on 8, and with the loop's dots
+    pipelined that won at every shape measured on an H200 (the Gram kernel 24-111 us against 32-144 at sonic_7b's
+    to 30B's, bench/results/2026-11-26-h200-centring-profile-bs64.json beside ...-centring-gram-pipelined-ab.json).
+    The logits' block of experts is at most 128 wide."""
+    return dict(BS=64, BD=64, num_warps=4)
 
 
 @triton.jit
@@ -157,8 +159,8 @@ def _gram_kernel(x_ptr, w_ptr, parts_ptr, carry_sq_ptr, wc_ptr, logits_ptr, rstd
     The loop over the feature blocks is three dots on what it loads (z, G, and p against the carry's mean as the
     16-bit parts hi + lo, the columns of a 16-wide operand that is zero past them); W carry and |carry|^2 come in
     (_carry_parts_kernel, W times the parts in cuBLAS). Only loads that feed the tensor cores sit in the loop, so
-    Triton pipelines them: with the parts formed and W carry summed in the loop, it pipelined neither x nor W and
-    waited on every load. The expansion cancels the shared part of x in fp32 from exact products: c unrounded, as
+    Triton keeps its wgmmas in flight across iterations: with the parts formed and W carry summed in the loop (a
+    16-row dot, off the wgmma path), it waited for each dot before the next (sm_90 TTGIR: every wait at pendings 0). The expansion cancels the shared part of x in fp32 from exact products: c unrounded, as
     the linearity way's logits (module docstring)."""
     seq, chunk = tl.program_id(0), tl.program_id(1)
     row = seq * NC + chunk
