@@ -160,8 +160,9 @@ def _gram_kernel(x_ptr, w_ptr, parts_ptr, carry_sq_ptr, wc_ptr, logits_ptr, rstd
     16-bit parts hi + lo, the columns of a 16-wide operand that is zero past them); W carry and |carry|^2 come in
     (_carry_parts_kernel, W times the parts in cuBLAS). Only loads that feed the tensor cores sit in the loop, so
     Triton keeps its wgmmas in flight across iterations: with the parts formed and W carry summed in the loop (a
-    16-row dot, off the wgmma path), it waited for each dot before the next (sm_90 TTGIR: every wait at pendings 0). The expansion cancels the shared part of x in fp32 from exact products: c unrounded, as
-    the linearity way's logits (module docstring)."""
+    16-row dot, off the wgmma path), it waited for each dot before the next (sm_90 TTGIR: every wait at pendings
+    0). The expansion cancels the shared part of x in fp32 from exact products: c unrounded, as the linearity way's
+    logits (module docstring)."""
     seq, chunk = tl.program_id(0), tl.program_id(1)
     row = seq * NC + chunk
     _, rows, sm, n = _positions(seq, chunk, S, BS)
