@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from unittest import mock
 
 import torch
 
@@ -80,19 +81,19 @@ def select_tiles_sweep(name: str, T: int, E: int, K: int, spec: str, calls: int,
     gen = torch.Generator(device=device).manual_seed(0)
     logits = (torch.randn(T, E, generator=gen, device=device) * 2).float()
     bias = torch.zeros(E, device=device)
-    default = fused._chunks
-    configs = {"default": default(E, K)}
+    default = fused._chunks(E, K)
+    configs = {"default": default}
     for item in filter(None, spec.split("/")):
         bt, sub, warps = map(int, item.split(","))
-        configs[item] = dict(default(E, K), BT=bt, SUB=sub, num_warps=warps)
+        configs[item] = dict(default, BT=bt, SUB=sub, num_warps=warps)
     want = None
     runs: dict[str, list[float]] = {c: [] for c in configs}
     same: dict[str, bool] = {}
     cuda = device.type == "cuda"
-    try:
-        for _ in range(3):
-            for label, cfg in configs.items():
-                fused._chunks = lambda E_, K_, cfg=cfg: dict(cfg)  # noqa: E731 (benchmark-only substitution)
+    for _ in range(3):
+        for label, cfg in configs.items():
+            # a benchmark-only substitution of the module's tiles, undone after each config
+            with mock.patch.object(fused, "_chunks", lambda E_, K_, cfg=cfg: dict(cfg)):
                 out = fused._route_impl(logits, bias, K, "softmax_topk", True)
                 if want is None:
                     want = out
@@ -103,9 +104,7 @@ def select_tiles_sweep(name: str, T: int, E: int, K: int, spec: str, calls: int,
                 same[label] = same.get(label, True) and ok
                 _, prof = profiled(lambda: [fused._route_impl(logits, bias, K, "softmax_topk", True)
                                             for _ in range(calls)], cuda)
-                runs[label].append(1e3 * sum(ms for _, ms, _ in kernel_times(prof, cuda)) / calls)
-    finally:
-        fused._chunks = default
+            runs[label].append(1e3 * sum(ms for _, ms, _ in kernel_times(prof, cuda)) / calls)
     rows = {label: {"config": configs[label], "us_per_call": statistics.median(us), "rounds_us": us,
                     "plan_equal": same[label]} for label, us in runs.items()}
     print(table([[name, label, f"{r['us_per_call']:.1f}", r["plan_equal"]] for label, r in rows.items()],

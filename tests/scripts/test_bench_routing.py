@@ -21,8 +21,7 @@ def test_routing_bench_writes_records(tmp_path):
 
 def test_select_tiles_sweep_checks_and_records_each_config(tmp_path):
     """--select-tiles runs the triton route (in Triton's interpreter here) under each tile config beside the
-    default, records every config's kernel time and whether its outputs matched the default's, and restores the
-    module's own `_chunks` afterwards."""
+    default, and records every config's kernel time and whether its outputs matched the default's."""
     import importlib.util
     import os
 
