@@ -8,6 +8,10 @@ timed with do_bench medians after warm-up. The plans are checked equal first.
 Run:   python -m bench.routing [--configs 7B,30B,Qwen3-Next] [--backends torch,triton]
        python -m bench.routing --shape 256,16,4 --backends torch   (CPU smoke)
 
+--profile adds, per backend and method, the GPU time of the route's kernels per call (torch.profiler over
+--profile-calls calls of the forward, and of the forward+backward), each kernel's share listed: the do_bench times
+above are host-bound for most routing shapes, so they do not show what the kernels cost.
+
 --select-tiles BT,SUB,WARPS/... adds a bounded sweep of the triton backend's top-K route (select kernel, chunk scan,
 scatter: sonic/kernels/triton/routing.py), its tiles of BT tokens, SUB tiles a chunk and the select kernel's warps
 standing in for `_chunks` (a benchmark-only substitution), beside the default: per config, the picks and the plan
@@ -36,6 +40,7 @@ def main() -> None:
     ap.add_argument("--backends", default="torch,triton")
     ap.add_argument("--methods", default="topk,token_rounding")
     ap.add_argument("--select-tiles", default="", help="BT,SUB,WARPS/... of the triton top-K route (a sweep)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of each backend's route")
     ap.add_argument("--profile-calls", type=int, default=20)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -46,7 +51,7 @@ def main() -> None:
     for name, (T, E, K) in shapes.items():
         gen = torch.Generator(device=device).manual_seed(0)
         logits = (torch.randn(T, E, generator=gen, device=device) * 2).to(torch.bfloat16).requires_grad_()
-        plans, times = {}, {}
+        plans, times, kernels = {}, {}, {}
         for backend, method in ((b, m) for m in args.methods.split(",") for b in args.backends.split(",")):
             router = Router(8, E, K, RoutingConfig(backend=backend, method=method, aux_loss_coef=0.01,
                                                    z_loss_coef=0.001)).to(device).train()
@@ -60,17 +65,42 @@ def main() -> None:
 
             plans[backend, method] = fwd().plan
             times[backend, method] = (bench_ms(fwd), bench_ms(fb, grad_to_none=[logits]))
+            if args.profile:
+                kernels[backend, method] = {"fwd": kernel_us(fwd, args.profile_calls, device),
+                                            "fb": kernel_us(fb, args.profile_calls, device, logits)}
         for (backend, method), (f, fb_ms) in times.items():
             first = next(p for (b, m), p in plans.items() if m == method)
             same = all(torch.equal(a, b) for a, b in zip(plans[backend, method].metadata(), first.metadata()))
             records.append({"config": name, "shape": [T, E, K], "backend": backend, "method": method, "fwd_ms": f,
-                            "fb_ms": fb_ms, "plans_equal": same})
+                            "fb_ms": fb_ms, "plans_equal": same, **({"kernels": kernels[backend, method]}
+                                                                    if args.profile else {})})
             rows.append([name, method, backend, f"{f:.3f}", f"{fb_ms:.3f}", same])
     sweep = [select_tiles_sweep(name, T, E, K, args.select_tiles, args.profile_calls, device)
              for name, (T, E, K) in shapes.items()] if args.select_tiles else []
     path = write_json(result_path("routing", args.json), {"records": records, "select_tiles": sweep})
     print(table(rows, ["config", "method", "backend", "fwd ms", "fwd+bwd ms", "plans equal (per method)"]))
+    for r in records:
+        for phase, k in r.get("kernels", {}).items():
+            print(f"{r['config']} {r['method']} {r['backend']} {phase}: {k['us_per_call']:.1f} us of kernels per call")
+            for name, us, n in k["top"][:12]:
+                print(f"    {us:8.1f} us  x{n:<3} {name[:110]}")
     print(f"wrote {path}")
+
+
+def kernel_us(fn, calls: int, device: torch.device, grad_of: torch.Tensor | None = None) -> dict:
+    """fn's kernels' GPU us per call over `calls` calls (CPU ops' self time off a GPU): the total and each kernel's
+    (name, us per call, launches per call), slowest first."""
+    cuda = device.type == "cuda"
+
+    def run():
+        for _ in range(calls):
+            fn()
+            if grad_of is not None:
+                grad_of.grad = None
+
+    _, prof = profiled(run, cuda)
+    top = [[name, 1e3 * ms / calls, n / calls] for name, ms, n in kernel_times(prof, cuda)]
+    return {"us_per_call": sum(us for _, us, _ in top), "top": top}
 
 
 def select_tiles_sweep(name: str, T: int, E: int, K: int, spec: str, calls: int, device: torch.device) -> dict:
