@@ -35,9 +35,10 @@ def poisoned_empty(shape, dtype, device):
 @pytest.fixture
 def poison(monkeypatch):
     """Every buffer the Triton backend's kernels write starts poisoned."""
-    from sonic.kernels.triton import centring, function, logit_norm, routing
+    from sonic.kernels.triton import centring, function, logit_norm, rounding, routing
 
     monkeypatch.setattr(function, "_alloc", poisoned_empty)
     monkeypatch.setattr(routing, "_alloc", poisoned_empty)
     monkeypatch.setattr(centring, "_alloc", poisoned_empty)
     monkeypatch.setattr(logit_norm, "_alloc", poisoned_empty)
+    monkeypatch.setattr(rounding, "_alloc", poisoned_empty)

@@ -8,19 +8,21 @@ Routing backends:
 | torch  | sonic/routing/token_choice.py, sonic/routing/plan.py: the semantics       |
 | triton | sonic/kernels/triton/routing.py: one fused kernel for the selection, its  |
 |        | gates and loss statistics (and one for its backward), a counting sort for |
-|        | the plan, one kernel for token rounding's selection; no sort, no          |
-|        | histogram, no host sync                                                   |
+|        | the plan; token rounding's selection and plan in the same op (its keys    |
+|        | from the select kernel, then three kernels); no sort, no histogram over   |
+|        | T x E, no host sync                                                       |
 | auto   | triton where it can run (a CUDA GPU with Triton), else torch              |
 
 A backend module exposes `select_topk(logits_TE, bias_E, k, order, renormalize) -> TopK`,
 `route_topk(...same...) -> (TopK, RoutingPlan)` (the selection and the plan of its picks, which the
-fused backend builds in one op), `token_rounding_rows(probs_TE, expert_idx_TK, gates_TK, residual_E, tile,
-mode, rows)` (token rounding's selection, sonic/routing/token_rounding.py), `prefix_centred_logits` and
-`prefix_centred_logits_backward` (routing.input_centring=prefix), `prefix_standardise` and
-`prefix_standardise_backward` (routing.logit_norm=prefix; both pairs in sonic/routing/scores.py) and
-`unavailable_reason(device) -> str | None`, with identical results (ties included; the centring's and the
-logit norm's sums to fp32 rounding). A backend whose ops launch Triton kernels through
-sonic.kernels.triton.launch sets `TRACED_OPS = True`: under torch.compile its ops are traced (sonic/ops.py).
+fused backend builds in one op), `route_token_rounding(logits_TE, bias_E, k, order, renormalize, tile,
+mode, residual_E) -> (TopK, RoutingPlan, f_E, c_E)` (token rounding's picks and rounded plan,
+sonic/routing/token_rounding.py), `prefix_centred_logits` and `prefix_centred_logits_backward`
+(routing.input_centring=prefix), `prefix_standardise` and `prefix_standardise_backward` (routing.logit_norm=prefix;
+both pairs in sonic/routing/scores.py) and `unavailable_reason(device) -> str | None`, with identical results (ties
+included; the centring's and the logit norm's sums, and token rounding's softmax, to fp32 rounding). A backend whose
+ops launch Triton kernels through sonic.kernels.triton.launch sets `TRACED_OPS = True`: under torch.compile its ops
+are traced (sonic/ops.py).
 """
 from __future__ import annotations
 

@@ -9,12 +9,14 @@ Selection and gates are separate on purpose: the selection adds the aux-loss-fre
 to the logits, the gates never do (DeepSeek-V3). Ties go to the lower expert index.
 
 This module is the torch routing backend (routing.backend=torch, sonic/routing/backends.py: select_topk,
-route_topk, token_rounding_rows, and the router's prefix_centred_logits[_backward] and
+route_topk, route_token_rounding, and the router's prefix_centred_logits[_backward] and
 prefix_standardise[_backward] from sonic/routing/scores.py) and defines the semantics;
 sonic/kernels/triton/routing.py is the fused one. Both give a TopK with the statistics the losses need (the
 full softmax summed over tokens, and the logsumexp per token), so no loss makes a second pass over T x E.
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import Tensor
@@ -53,12 +55,13 @@ def route_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormaliz
     return topk, plan_from_topk(topk.expert_idx_TK, topk.gates_TK, logits_TE.shape[1])
 
 
-def token_rounding_rows(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None,
-                        tile: int, mode: str, rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Token rounding's selection: sonic::token_rounding_rows (sonic/routing/token_rounding.py, which defines it)."""
-    from sonic.routing.token_rounding import rounded_rows  # noqa: PLC0415 (that module imports this one)
+def route_token_rounding(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool, tile: int,
+                         mode: str, residual_E: Tensor | None) -> tuple[TopK, RoutingPlan, Tensor, Tensor]:
+    """Token rounding's top-K picks, rounded plan, f_e and c_e (sonic/routing/token_rounding.py, which defines it)."""
+    from sonic.routing import token_rounding  # noqa: PLC0415 (that module imports this one)
 
-    return rounded_rows(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows)
+    return token_rounding.route_token_rounding(sys.modules[__name__], logits_TE, bias_E, k, order, renormalize, tile,
+                                               mode, residual_E)
 
 
 def count_per_expert(expert_idx: Tensor, num_experts: int) -> Tensor:

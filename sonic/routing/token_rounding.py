@@ -161,11 +161,9 @@ def _segment_sum(sorted_R: Tensor, start_E: Tensor, lo_E: Tensor, hi_E: Tensor) 
 
 
 def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, tile: int, mode: str,
-                        residual_E: Tensor | None = None, group: dist.ProcessGroup | None = None,
-                        rows_op=None) -> RoundedPlan:
+                        residual_E: Tensor | None = None, group: dist.ProcessGroup | None = None) -> RoundedPlan:
     """The rounded plan from the full softmax and the TC top-K picks with their gates; with an ep
-    `group`, rounded over the group's whole batch (module docstring). `rows_op`: a routing backend's
-    token_rounding_rows (default: this module's, the torch backend's).
+    `group`, rounded over the group's whole batch (module docstring).
 
     Only the boundary of each expert's ranking moves (|c_e - f_e| < M), so no T x E sort is needed: the TC
     picks are ranked by three sorts of the T*K picks, and the EC candidates enter by a threshold on their
@@ -176,8 +174,8 @@ def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tenso
     T, E = probs_TE.shape
     gate_TE = probs_TE.scatter(1, expert_idx_TK, gates_TK)  # TC: top-K gate, EC: P_te (both differentiable)
     rows = max_rows(T, expert_idx_TK.shape[1], E, tile, mode)  # a bound on the kept count: nothing waits for it
-    pairs_R2, counts_E, rounded_E = (rows_op or rounded_rows)(probs_TE.detach(), expert_idx_TK, gates_TK.detach(),
-                                                              residual_E, tile, mode, rows)
+    pairs_R2, counts_E, rounded_E = rounded_rows(probs_TE.detach(), expert_idx_TK, gates_TK.detach(), residual_E, tile,
+                                                 mode, rows)
     return RoundedPlan(plan_from_pairs(*pairs_R2.unbind(1), gate_TE), counts_E, rounded_E)
 
 
@@ -187,8 +185,7 @@ def token_rounding_plan(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tenso
 @torch.library.custom_op("sonic::token_rounding_rows", mutates_args=())
 def rounded_rows(probs_TE: Tensor, expert_idx_TK: Tensor, gates_TK: Tensor, residual_E: Tensor | None, tile: int,
                  mode: str, rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The kept (expert, token) pairs (rows x 2) sorted by expert, then token, padded with -1; f_e; c_e. The
-    torch routing backend's token_rounding_rows."""
+    """The kept (expert, token) pairs (rows x 2) sorted by expert, then token, padded with -1; f_e; c_e."""
     return select_rows(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows)
 
 
@@ -198,7 +195,6 @@ def _(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows):
 
 
 def rounded_rows_fake(probs_TE, expert_idx_TK, gates_TK, residual_E, tile, mode, rows):
-    """Every backend's token_rounding_rows under fake tensors."""
     E = probs_TE.shape[1]
     idx = lambda *n: probs_TE.new_empty(n, dtype=torch.int64)  # noqa: E731
     return idx(rows, 2), idx(E), idx(E)
@@ -359,24 +355,40 @@ def recomputing() -> bool:
     return compat.in_backward()
 
 
+def route_token_rounding(backend, logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool, tile: int,
+                         mode: str, residual_E: Tensor | None) -> tuple[TopK, RoutingPlan, Tensor, Tensor]:
+    """A routing backend's route_token_rounding from its select_topk and this module's selection: (the top-K picks,
+    the rounded plan, f_e, c_e). The torch backend's, which defines it, and the fused backend's under
+    nearest_score."""
+    topk = backend.select_topk(logits_TE, bias_E, k, order, renormalize)
+    probs_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32)).softmax(-1)
+    rounded = token_rounding_plan(probs_TE, topk.expert_idx_TK, topk.gates_TK, tile, mode, residual_E=residual_E)
+    return topk, rounded.plan, rounded.topk_counts_E, rounded.rounded_E
+
+
 def token_rounding_method(router, logits_TE: Tensor, backend) -> tuple[TopK, RoutingPlan, Tensor]:
     """routing.method=token_rounding: rounded counts in training mode, plain top-K in eval mode. Under
     rounding_mode=balance the router's residual buffers carry f - c across steps (Router docstring); asking
     whether this forward is a recompute breaks a compiled graph there (the other modes keep one graph)."""
     if not router.training:
         return topk_method(router, logits_TE, backend)
-    topk = select(router, logits_TE, backend)
     cfg = router.cfg
     balance = cfg.rounding_mode == "balance"
     if balance and not recomputing():
         router.balance_residual_E.copy_(router.balance_pending_E)
-    probs_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32)).softmax(-1)
-    rounded = token_rounding_plan(probs_TE, topk.expert_idx_TK, topk.gates_TK, cfg.tile_size, cfg.rounding_mode,
-                                  residual_E=router.balance_residual_E if balance else None, group=router.ep_group,
-                                  rows_op=backend.token_rounding_rows)
+    residual_E = router.balance_residual_E if balance else None
+    if router.ep_group is None:  # the backend's one op: selection, rounding and plan
+        topk, plan, topk_counts_E, rounded_E = backend.route_token_rounding(
+            logits_TE, router.selection_bias(logits_TE), router.top_k, cfg.order, cfg.renormalize, cfg.tile_size,
+            cfg.rounding_mode, residual_E)
+        group_counts_E = topk_counts_E
+    else:  # rounded over the ep group's summed counts, which this rank's f_e is not
+        topk = select(router, logits_TE, backend)
+        probs_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32)).softmax(-1)
+        plan, group_counts_E, rounded_E = token_rounding_plan(probs_TE, topk.expert_idx_TK, topk.gates_TK,
+                                                              cfg.tile_size, cfg.rounding_mode, residual_E=residual_E,
+                                                              group=router.ep_group)
+        topk_counts_E = count_per_expert(topk.expert_idx_TK, router.num_experts)
     if balance and not recomputing():
-        router.balance_pending_E.copy_(router.balance_residual_E + rounded.topk_counts_E - rounded.rounded_E)
-    # f_e: the selection counted it already, except under ep, where its counts are the group's sum
-    topk_counts_E = rounded.topk_counts_E if router.ep_group is None else count_per_expert(topk.expert_idx_TK,
-                                                                                          router.num_experts)
-    return topk, rounded.plan, topk_counts_E
+        router.balance_pending_E.copy_(router.balance_residual_E + group_counts_E - rounded_E)
+    return topk, plan, topk_counts_E

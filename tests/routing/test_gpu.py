@@ -81,11 +81,13 @@ def test_prefix_centring_matches_cpu_and_never_syncs():
     assert _syncs(lambda: gpu(x, 256)) == 0
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("cfg", ROUNDING, ids=lambda c: c["rounding_mode"])
-def test_token_rounding_graph_replays_fresh_inputs(cfg):
-    """On CUDA the selection is captured once as a CUDA graph and replayed: every later batch (new inputs into
-    the same captured buffers) must still give the CPU's plan, and earlier results must survive later replays."""
-    cpu, gpu = _router(cfg, "cpu"), _router(cfg, "cuda")
+def test_token_rounding_on_fresh_batches(cfg, backend):
+    """Every batch gives the CPU's plan, and earlier results survive later calls: the torch backend's selection is
+    captured once as a CUDA graph and replayed (new inputs into the same captured buffers), the triton backend's is
+    one op whose buffers are its own."""
+    cpu, gpu = _router(cfg, "cpu"), _router(dict(cfg, backend=backend), "cuda")
     got, want = [], []
     for seed in range(3):
         x = torch.randn(1024, 64, generator=torch.Generator().manual_seed(10 + seed)) * (1 + seed)
@@ -96,10 +98,11 @@ def test_token_rounding_graph_replays_fresh_inputs(cfg):
     assert not torch.equal(got[0].expert_offsets_E1, got[1].expert_offsets_E1), "the batches must route differently"
 
 
-def test_stochastic_token_rounding_on_the_graph():
-    """The stochastic rule's draw happens inside the captured graph: every replay draws anew, and its counts
-    stay on the tile grid."""
-    router = _router(dict(method="token_rounding", rounding_mode="stochastic", tile_size=64), "cuda")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_stochastic_token_rounding_draws_per_call(backend):
+    """The stochastic rule draws anew on every call (in the torch backend's captured graph, every replay; in the
+    triton backend's op, before it), and its counts stay on the tile grid."""
+    router = _router(dict(method="token_rounding", rounding_mode="stochastic", tile_size=64, backend=backend), "cuda")
     x = torch.randn(4096, 64, device="cuda")
     counts = [router(x).counts_E for _ in range(6)]
     for c in counts:

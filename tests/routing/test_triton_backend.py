@@ -11,6 +11,7 @@ import torch
 
 from sonic.routing import token_choice
 from sonic.routing.losses import switch_aux_loss, z_loss
+from sonic.routing.plan import plan_from_pairs
 from tests.helpers import run_in_triton_interpreter
 from tests.routing.test_token_rounding import MATRICES, MODES
 from tests.routing.test_token_rounding import _logits as rounding_logits
@@ -84,30 +85,68 @@ GPU_CASES = CPU_CASES + [(4096, 128, 8, False, True), (1000, 128, 8, True, True)
 GPU_ORDER_CASES = [(700, 8, 2, True, True), (333, 512, 10, False, True)]
 
 
-def check_rounding_parity(device: str, matrices, modes=MODES) -> None:
-    """Token rounding's selection, triton against torch: the same pairs (padding included), f_e and c_e, for
-    every rounding mode (nearest_score takes the torch selection inside the triton op), on the rounding tests'
-    matrices (ties, K = 1, empty experts, T < tile, one expert preferred by all). The op (on CUDA a graph
-    replay) is compared too, except under stochastic rounding, whose replayed draw test_gpu.py checks."""
-    from sonic.kernels.triton import rounding
+def kernel_probs(logits_TE: torch.Tensor, K: int, order: str, renorm: bool) -> torch.Tensor:
+    """The softmax the triton route ranks EC candidates by: the select kernel's P, T x E."""
+    from sonic.kernels.triton import routing
+
+    T, E = logits_TE.shape
+    key_ET, prob_ET = (torch.empty(E, T, dtype=torch.int32, device=logits_TE.device) for _ in range(2))
+    routing._select_launch(logits_TE.detach().contiguous(), torch.zeros(E, device=logits_TE.device), K, order, renorm,
+                           True, keys=(key_ET, prob_ET))
+    return prob_ET.view(torch.float32).T.contiguous()
+
+
+def check_rounding_parity(device: str, matrices, modes=MODES, orders=ORDERS[:1]) -> None:
+    """Token rounding's route, triton against the definition, for every rounding mode on the rounding tests'
+    matrices (ties, K = 1, empty experts, T < tile, one expert preferred by all): the torch backend's top-K, and
+    the torch selection (token_rounding.select_rows, with the same stochastic draw) on the triton top-K and the
+    softmax the kernel ranks by (torch's to rounding, and P's that are equal in exact arithmetic, of permuted
+    rows, can round apart differently in each: the ranking's ties are the kernel's own); nearest_score takes the
+    torch selection on torch's softmax. The same f_e, c_e and plan (padding included), the rows' gates, and d logits
+    through them, the top-K gates and the losses, against torch autograd through the same rows."""
+    from sonic.kernels.triton import routing
     from sonic.routing import token_rounding
 
     for name in matrices:
         logits_TE, K, M = rounding_logits(name)
         T, E = logits_TE.shape
-        probs_TE = logits_TE.softmax(-1).to(device)
-        topk = token_choice.select_topk(logits_TE.to(device), torch.zeros(E, device=device), K, "topk_softmax", False)
         for mode in modes:
             residual_E = (torch.randint(-M // 2, M // 2 + 1, (E,), generator=torch.Generator().manual_seed(T))
                           .to(device) if mode == "balance" else None)
-            args = (probs_TE, topk.expert_idx_TK, topk.gates_TK, residual_E, M, mode,
-                    token_rounding.max_rows(T, K, E, M, mode))
-            torch.manual_seed(7)  # stochastic: the same draw on both sides
-            want = token_rounding.select_rows(*args)
-            for fn in (rounding.select_rows, rounding.token_rounding_rows)[:1 if mode == "stochastic" else 2]:
+            for order, renorm in orders:
+                what = f"{name} {mode} {order} renorm={renorm}"
+                logits = logits_TE.to(device).requires_grad_()
                 torch.manual_seed(7)
-                for field, a, b in zip(("pairs", "f_e", "c_e"), fn(*args), want):
-                    assert torch.equal(a, b), f"{field}: {name} {mode} {fn}"
+                topk, plan, f_E, c_E = routing.route_token_rounding(logits, torch.zeros(E, device=device), K, order,
+                                                                    renorm, M, mode, residual_E)
+                assert f_E.dtype == c_E.dtype == torch.int64, what
+                probs_TE = logits.detach().float().softmax(-1)
+                if mode != "nearest_score":
+                    ranked_TE = kernel_probs(logits, K, order, renorm)
+                    torch.testing.assert_close(ranked_TE, probs_TE, rtol=1e-5, atol=1e-7, msg=what)
+                    probs_TE = ranked_TE
+                torch.manual_seed(7)
+                pairs_R2, want_f, want_c = token_rounding.select_rows(
+                    probs_TE, topk.expert_idx_TK, topk.gates_TK.detach(), residual_E, M, mode, plan.num_rows)
+                assert torch.equal(f_E, want_f) and torch.equal(c_E, want_c), what
+                want = plan_from_pairs(*pairs_R2.unbind(1), probs_TE.scatter(1, topk.expert_idx_TK, topk.gates_TK))
+                for field in FIELDS:
+                    assert torch.equal(getattr(plan, field), getattr(want, field)), f"{field}: {what}"
+                torch.testing.assert_close(plan.scores_R, want.scores_R, rtol=1e-5, atol=1e-6, msg=what)
+                # d logits: the same rows' gates through torch's top-K and softmax
+                ref = logits_TE.to(device).requires_grad_()
+                ref_topk = token_choice.select_topk(ref, torch.zeros(E, device=device), K, order, renorm)
+                assert torch.equal(ref_topk.expert_idx_TK, topk.expert_idx_TK), what
+                gate_TE = ref.softmax(-1).scatter(1, ref_topk.expert_idx_TK, ref_topk.gates_TK)
+                live = plan.expert_idx_R < E
+                ref_scores_R = torch.where(live, gate_TE[plan.token_idx_R.long(), plan.expert_idx_R.clamp(max=E - 1)
+                                                         .long()], 0.0)
+                grads = []
+                for top, scores_R, x in ((topk, plan.scores_R, logits), (ref_topk, ref_scores_R, ref)):
+                    gen = torch.Generator().manual_seed(T)
+                    rows = torch.randn(plan.num_rows, generator=gen).to(device)
+                    grads += torch.autograd.grad(losses(top, E, T, gen) + (scores_R * rows).sum(), x)
+                torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5, msg=f"d logits: {what}")
 
 
 def _interpreter_main() -> None:
@@ -120,10 +159,11 @@ def _interpreter_main() -> None:
     assert min(K for _, _, K, *_ in SORT_CASES) >= routing.SORT_FROM_K > max(K for _, _, K, *_ in CPU_CASES)
     check_parity("cpu", SORT_CASES, orders=ORDERS[:1])
     check_rounding_parity("cpu", MATRICES)
+    check_rounding_parity("cpu", ("coarse_ties", "k1_topk_softmax"), modes=("nearest",), orders=ORDERS[1:])
     from sonic.kernels.triton import rounding
 
     with mock.patch.object(rounding, "_RESIDENT_T", 0), mock.patch.object(rounding, "_CHUNK", 64):  # rows in blocks
-        check_rounding_parity("cpu", ("coarse_ties", "k1_topk_softmax"), modes=("nearest", "up", "down"))
+        check_rounding_parity("cpu", ("coarse_ties", "k1_topk_softmax", "random_large"), modes=("nearest", "up", "down"))
     print("routing interpreter ok")
 
 
@@ -138,6 +178,7 @@ def test_triton_routing_matches_torch_on_gpu(triton_device, poison):
     check_parity("cuda", GPU_CASES, dtypes=(torch.bfloat16,), orders=ORDERS[:1])
     check_parity("cuda", GPU_ORDER_CASES, dtypes=(torch.float32, torch.bfloat16))
     check_rounding_parity("cuda", MATRICES + ("sonic_7b", "over_16k_tokens"))
+    check_rounding_parity("cuda", ("coarse_ties", "k1_topk_softmax"), modes=("nearest",), orders=ORDERS[1:])
 
 
 def test_auto_picks_torch_on_cpu_and_unknown_backends_fail():

@@ -18,21 +18,26 @@ build_plan's argsort would, with a cost independent of E.
 
 prefix_centred_logits[_backward] (routing.input_centring=prefix): the router's centred logits, in
 sonic/kernels/triton/centring.py. prefix_standardise[_backward] (routing.logit_norm=prefix): the logits
-standardised per expert over the earlier positions, in sonic/kernels/triton/logit_norm.py. token_rounding_rows (routing.method=token_rounding): the selection's keys
-and keep kernels, in sonic/kernels/triton/rounding.py.
+standardised per expert over the earlier positions, in sonic/kernels/triton/logit_norm.py.
+
+route_token_rounding (routing.method=token_rounding): the select kernel also writes the ranking keys, the chunk scan
+gives f_e, and sonic/kernels/triton/rounding.py's three kernels round the counts, keep each expert's best c_e
+tokens and list the rows by token; one op, whose backward is the select backward with the EC rows' gradient on P.
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from sonic.kernels.triton import launch
+from sonic.kernels.triton import launch, rounding
 from sonic.kernels.triton.centring import prefix_centred_logits, prefix_centred_logits_backward  # noqa: F401 (its centring)
 from sonic.kernels.triton.logit_norm import prefix_standardise, prefix_standardise_backward  # noqa: F401 (its logit norm)
-from sonic.kernels.triton.rounding import token_rounding_rows  # noqa: F401 (this backend's token-rounding selection)
 from sonic.ops import DualOp
+from sonic.routing import token_rounding
 from sonic.routing.plan import RoutingPlan, TopK
 
 ORDERS = {"topk_softmax": 0, "softmax_topk": 1}
@@ -56,6 +61,7 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 # (bench/results/2026-11-25-h200-select-sort-ab.json)
 SORT_FROM_K = 16
 SCAN_E, SCAN_C = 16, 256  # the chunk scan's experts per program and chunks per step
+_EC_SHIFT = tl.constexpr(rounding.EC_SHIFT)  # token rounding's EC keys: P's bits minus this (rounding.py)
 
 
 def _tiles(E: int, K: int) -> dict:
@@ -94,14 +100,16 @@ def _topk_by_sort(sel, e, em, BE: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _select_kernel(logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, T, E: tl.constexpr,
-                   K: tl.constexpr, ORDER: tl.constexpr, RENORM: tl.constexpr, COUNT: tl.constexpr, SUB: tl.constexpr,
-                   BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr, SORT: tl.constexpr):
+def _select_kernel(logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, key_ET, prob_ET, T,
+                   E: tl.constexpr, K: tl.constexpr, ORDER: tl.constexpr, RENORM: tl.constexpr, COUNT: tl.constexpr,
+                   KEYS: tl.constexpr, SUB: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr,
+                   SORT: tl.constexpr):
     """Chunk c = SUB tiles of BT tokens. Per token: the K largest of logits + bias, ties to the lower index,
     then the gates: K rounds of (max, lowest index attaining it), two reductions over the tile per pick, or
     with SORT one bitonic top-KP of packed keys (_topk_by_sort). Per chunk (no atomics, so deterministic): the
     softmax summed over its tokens and, with COUNT, its picks per expert (what the plan's counting sort
-    scans). A pick's logit is loaded again (from L1) rather than reduced out of the tile."""
+    scans). A pick's logit is loaded again (from L1) rather than reduced out of the tile. With KEYS, token
+    rounding's ranking keys and P's bits, experts x tokens (sonic/kernels/triton/rounding.py)."""
     c = tl.program_id(0)
     e = tl.arange(0, BE)
     em = e < E
@@ -147,18 +155,29 @@ def _select_kernel(logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, count
         out = t.to(tl.int64)[:, None] * K + kk[None, :]
         tl.store(idx_TK + out, top_i.to(tl.int64), mask=om)
         tl.store(gates_TK + out, g, mask=om)
+        if KEYS:  # a TC key is its gate's bits, an EC key P's bits shifted below every TC key
+            key = P.to(tl.int32, bitcast=True) - _EC_SHIFT
+            for k in tl.static_range(K):
+                ik = tl.sum(tl.where(kk[None, :] == k, top_i, 0), axis=1)
+                gk = tl.sum(tl.where(kk[None, :] == k, g, 0.0), axis=1)
+                key = tl.where(e[None, :] == ik[:, None], gk.to(tl.int32, bitcast=True)[:, None], key)
+            km = tm[:, None] & em[None, :]
+            dst = e.to(tl.int64)[None, :] * T + t[:, None]
+            tl.store(key_ET + dst, key, mask=km)
+            tl.store(prob_ET + dst, P.to(tl.int32, bitcast=True), mask=km)
     tl.store(probsum_CE + c.to(tl.int64) * E + e, probsum, mask=em)
     if COUNT:
         tl.store(counts_CE + c.to(tl.int64) * E + e, counts, mask=em)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _select_backward_kernel(logits_TE, idx_TK, gates_TK, lse_T, dgates_TK, dprobsum_E, dlse_T, dlogits_TE, T,
+def _select_backward_kernel(logits_TE, idx_TK, gates_TK, lse_T, dgates_TK, dprobsum_E, dlse_T, dP_TE, dlogits_TE, T,
                             E: tl.constexpr, K: tl.constexpr, ORDER: tl.constexpr, RENORM: tl.constexpr,
-                            BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
-    """d logits = P * (u - <P, u>) + w, where u = dL/dP (the aux loss's probsum gradient, and the gates'
-    under softmax_topk) and w collects what does not go through the full softmax (the gates under
-    topk_softmax: a softmax over the K picks; the z-loss through lse: dlse * P)."""
+                            DP: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, KP: tl.constexpr):
+    """d logits = P * (u - <P, u>) + w, where u = dL/dP (the aux loss's probsum gradient, the gates' under
+    softmax_topk, and with DP a gradient on P itself: token rounding's EC rows) and w collects what does not go
+    through the full softmax (the gates under topk_softmax: a softmax over the K picks; the z-loss through lse:
+    dlse * P)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     e = tl.arange(0, BE)
     tm = t < T
@@ -175,6 +194,8 @@ def _select_backward_kernel(logits_TE, idx_TK, gates_TK, lse_T, dgates_TK, dprob
     gate = tl.load(gates_TK + pk, mask=km, other=0.0)
     dg = tl.load(dgates_TK + pk, mask=km, other=0.0).to(tl.float32)
     u = tl.load(dprobsum_E + e, mask=em, other=0.0)[None, :] + tl.zeros((BT, BE), tl.float32)
+    if DP:
+        u += tl.load(dP_TE + t.to(tl.int64)[:, None] * E + e[None, :], mask=tm[:, None] & em[None, :], other=0.0)
     w = tl.load(dlse_T + t, mask=tm, other=0.0)[:, None] * P
     if ORDER == 0:  # gate_k = softmax over the picked logits: d x_k = gate_k (dg_k - <gate, dg>)
         dpick = gate * (dg - tl.sum(gate * dg, axis=1)[:, None])
@@ -205,7 +226,9 @@ def _chunks(E: int, K: int) -> dict:
     return dict(tiles, SUB=ct // tiles["BT"])
 
 
-def _select_launch(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool, count: bool):
+def _select_launch(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool, count: bool,
+                   keys: tuple[Tensor, Tensor] | None = None):
+    """The select kernel's outputs; with `keys`, (key_ET, prob_ET) to write token rounding's ranking keys into."""
     T, E = logits_TE.shape
     dev = logits_TE.device
     cfg = _chunks(E, k)
@@ -216,9 +239,10 @@ def _select_launch(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renorm
     probsum_CE = _alloc((C, E), torch.float32, dev)
     counts_CE = _alloc((C, E), torch.int32, dev) if count else probsum_CE
     if T:
-        launch(_select_kernel, (C,))(logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, T, E=E, K=k,
-                                     ORDER=ORDERS[order], RENORM=renormalize, COUNT=count, SORT=k >= SORT_FROM_K,
-                                     **cfg)
+        key_ET, prob_ET = keys or (lse_T, lse_T)
+        launch(_select_kernel, (C,))(logits_TE, bias_E, idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, key_ET,
+                                     prob_ET, T, E=E, K=k, ORDER=ORDERS[order], RENORM=renormalize, COUNT=count,
+                                     KEYS=keys is not None, SORT=k >= SORT_FROM_K, **cfg)
     return idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, cfg
 
 
@@ -244,25 +268,33 @@ def _route_impl(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormali
     dev, R = logits_TE.device, T * k
     idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, cfg = _select_launch(logits_TE, bias_E, k, order, renormalize,
                                                                          True)
-    C = counts_CE.shape[0]
+    base_CE, total_E, probsum_E = _scan_chunks(counts_CE, probsum_CE)
+    expert_offsets_E1 = _alloc((E + 1,), torch.int32, dev)
+    token_idx_R, expert_idx_R, order_R, rows_by_token_R = (_alloc((R,), torch.int32, dev) for _ in range(4))
+    launch(_expert_offsets_kernel, (1,))(total_E, expert_offsets_E1, E=E,
+                                         BE=max(16, min(4096, triton.next_power_of_2(E))), num_warps=4)
+    if T:
+        launch(_scatter_kernel, (counts_CE.shape[0],))(idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_R,
+                                                       order_R, rows_by_token_R, T, E=E, K=k,
+                                                       BT=cfg["BT"] * cfg["SUB"], KP=cfg["KP"], num_warps=8)
+    token_offsets_T1 = torch.arange(0, R + 1, k, dtype=torch.int32, device=dev)
+    return [idx_TK, gates_TK, lse_T, probsum_E, token_idx_R, expert_idx_R, order_R, expert_offsets_E1,
+            token_offsets_T1, rows_by_token_R]
+
+
+def _scan_chunks(counts_CE: Tensor, probsum_CE: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(base_CE, total_E, probsum_E): each (chunk, expert)'s picks in the chunks before it, the picks and the softmax
+    summed over the chunks (in chunk order: deterministic)."""
+    C, E = counts_CE.shape
+    dev = counts_CE.device
     base_CE = _alloc((C, E), torch.int32, dev)
     total_E = _alloc((E,), torch.int32, dev)
     probsum_E = _alloc((E,), torch.float32, dev)
-    expert_offsets_E1 = _alloc((E + 1,), torch.int32, dev)
-    token_idx_R, expert_idx_R, order_R, rows_by_token_R = (_alloc((R,), torch.int32, dev) for _ in range(4))
     # 16 experts a program, 256 chunks a step: the scan is latency-bound (one program over 128 experts in steps of
     # 32 chunks took 37 us at 30B's 512 chunks on an H200)
     launch(_scan_chunks_kernel, (triton.cdiv(E, SCAN_E),))(counts_CE, probsum_CE, base_CE, total_E, probsum_E, C, E=E,
                                                            BC=SCAN_C, BE=SCAN_E, num_warps=4)
-    launch(_expert_offsets_kernel, (1,))(total_E, expert_offsets_E1, E=E,
-                                         BE=max(16, min(4096, triton.next_power_of_2(E))), num_warps=4)
-    if T:
-        launch(_scatter_kernel, (C,))(idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_R, order_R,
-                                      rows_by_token_R, T, E=E, K=k, BT=cfg["BT"] * cfg["SUB"], KP=cfg["KP"],
-                                      num_warps=8)
-    token_offsets_T1 = torch.arange(0, R + 1, k, dtype=torch.int32, device=dev)
-    return [idx_TK, gates_TK, lse_T, probsum_E, token_idx_R, expert_idx_R, order_R, expert_offsets_E1,
-            token_offsets_T1, rows_by_token_R]
+    return base_CE, total_E, probsum_E
 
 
 def _route_fake(logits_TE, bias_E, k, order, renormalize):
@@ -353,7 +385,15 @@ def _scatter_kernel(idx_TK, base_CE, expert_offsets_E1, token_idx_R, expert_idx_
 
 
 def _select_backward_impl(logits_TE: Tensor, idx_TK: Tensor, gates_TK: Tensor, lse_T: Tensor, dgates_TK: Tensor,
-                     dprobsum_E: Tensor, dlse_T: Tensor, order: str, renormalize: bool) -> Tensor:
+                          dprobsum_E: Tensor, dlse_T: Tensor, order: str, renormalize: bool) -> Tensor:
+    return _select_backward_launch(logits_TE, idx_TK, gates_TK, lse_T, dgates_TK, dprobsum_E, dlse_T, None, order,
+                                   renormalize)
+
+
+def _select_backward_launch(logits_TE: Tensor, idx_TK: Tensor, gates_TK: Tensor, lse_T: Tensor, dgates_TK: Tensor,
+                            dprobsum_E: Tensor, dlse_T: Tensor, dP_TE: Tensor | None, order: str,
+                            renormalize: bool) -> Tensor:
+    """d logits from the gradients of the gates, probsum and lse, and (dP_TE) of the full softmax P itself."""
     T, E = logits_TE.shape
     K = idx_TK.shape[1]
     dlogits_TE = _alloc((T, E), logits_TE.dtype, logits_TE.device)
@@ -361,7 +401,8 @@ def _select_backward_impl(logits_TE: Tensor, idx_TK: Tensor, gates_TK: Tensor, l
         tiles = _tiles(E, K)
         launch(_select_backward_kernel, (triton.cdiv(T, tiles["BT"]),))(
             logits_TE, idx_TK, gates_TK, lse_T, dgates_TK.contiguous(), dprobsum_E.float().contiguous(),
-            dlse_T.float().contiguous(), dlogits_TE, T, E=E, K=K, ORDER=ORDERS[order], RENORM=renormalize, **tiles)
+            dlse_T.float().contiguous(), dlogits_TE if dP_TE is None else dP_TE, dlogits_TE, T, E=E, K=K,
+            ORDER=ORDERS[order], RENORM=renormalize, DP=dP_TE is not None, **tiles)
     return dlogits_TE
 
 
@@ -423,3 +464,98 @@ def route_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormaliz
                        scores_R=gates_TK.reshape(-1).index_select(0, order_R), expert_offsets_E1=expert_offsets_E1,
                        token_offsets_T1=token_offsets_T1, rows_by_token_R=rows_by_token_R)
     return TopK(idx_TK, gates_TK, probsum_E, lse_T), plan
+
+
+def _route_rounding_impl(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool, tile: int,
+                         mode: str, residual_E: Tensor | None, uniform_E: Tensor | None, rows: int) -> list[Tensor]:
+    """select_topk and token rounding's plan of its picks in one op, five launches: select (with its picks per chunk
+    and the ranking keys), the chunk scan (f_e, probsum), and rounding.keep_rows' three. (idx_TK, gates_TK, lse_T,
+    probsum_E) and keep_rows' list."""
+    T, E = logits_TE.shape
+    key_ET, prob_ET = (_alloc((E, T), torch.int32, logits_TE.device) for _ in range(2))
+    idx_TK, gates_TK, lse_T, probsum_CE, counts_CE, _ = _select_launch(logits_TE, bias_E, k, order, renormalize, True,
+                                                                       keys=(key_ET, prob_ET))
+    _, total_E, probsum_E = _scan_chunks(counts_CE, probsum_CE)
+    return [idx_TK, gates_TK, lse_T, probsum_E,
+            *rounding.keep_rows(key_ET, prob_ET, total_E, idx_TK, residual_E, uniform_E, tile, mode, rows)]
+
+
+def _route_rounding_fake(logits_TE, bias_E, k, order, renormalize, tile, mode, residual_E, uniform_E, rows):
+    T, E = logits_TE.shape
+    new = lambda n, dtype: logits_TE.new_empty((n,), dtype=dtype)  # noqa: E731
+    return [*_select_fake(logits_TE, bias_E, k, order, renormalize), new(rows, torch.float32),
+            *(new(rows, torch.int32) for _ in range(3)), new(E + 1, torch.int32), new(T + 1, torch.int32),
+            new(rows, torch.int32), new(E, torch.int64), new(E, torch.int64)]
+
+
+def _route_rounding_backward_impl(logits_TE: Tensor, idx_TK: Tensor, gates_TK: Tensor, lse_T: Tensor,
+                                  dgates_TK: Tensor, dprobsum_E: Tensor, dlse_T: Tensor, dscores_R: Tensor,
+                                  token_idx_R: Tensor, expert_idx_R: Tensor, pick_R: Tensor, order: str,
+                                  renormalize: bool) -> Tensor:
+    """d logits, where a row's gate is a top-K gate (a TC row, pick_R >= 0: its gradient joins the gates') or P at
+    its (token, expert) (an EC row: a gradient on P); padding rows' gradients land in slots of their own, unread."""
+    T, E = logits_TE.shape
+    TK, TE = idx_TK.numel(), T * E
+    extra = torch.zeros(TK + TE + pick_R.numel(), dtype=torch.float32, device=logits_TE.device)
+    padding = TK + TE + torch.arange(pick_R.numel(), device=pick_R.device)
+    slot_R = torch.where(pick_R >= 0, pick_R.long(), torch.where(
+        expert_idx_R < E, TK + token_idx_R.long() * E + expert_idx_R.long(), padding))
+    extra.scatter_(0, slot_R, dscores_R.float())  # every slot at most once: deterministic
+    return _select_backward_launch(logits_TE, idx_TK, gates_TK, lse_T, dgates_TK + extra[:TK].view_as(dgates_TK),
+                                   dprobsum_E, dlse_T, extra[TK:TK + TE].view(T, E), order, renormalize)
+
+
+def _route_rounding_backward_fake(logits_TE, idx_TK, gates_TK, lse_T, dgates_TK, dprobsum_E, dlse_T, dscores_R,
+                                  token_idx_R, expert_idx_R, pick_R, order, renormalize):
+    return torch.empty_like(logits_TE)
+
+
+_route_rounding = DualOp("route_token_rounding", _route_rounding_impl, _route_rounding_fake)
+_route_rounding_backward = DualOp("route_token_rounding_backward", _route_rounding_backward_impl,
+                                  _route_rounding_backward_fake)
+
+
+def _setup_rounding(ctx, inputs, output):
+    logits_TE, _, _, order, renormalize = inputs[:5]
+    idx_TK, gates_TK, lse_T = output[:3]
+    token_idx_R, expert_idx_R, pick_R = output[5:8]
+    ctx.save_for_backward(logits_TE, idx_TK, gates_TK, lse_T, token_idx_R, expert_idx_R, pick_R)
+    ctx.order, ctx.renormalize = order, renormalize
+
+
+def _backward_rounding(backward_op, ctx, grads):
+    """The gradients of (gates, lse, probsum, the rows' gates) -> d logits; the rest has none."""
+    logits_TE, idx_TK, gates_TK, lse_T, token_idx_R, expert_idx_R, pick_R = ctx.saved_tensors
+    dgates_TK, dlse_T, dprobsum_E, dscores_R = grads[1:5]
+    zeros = lambda g, shape: torch.zeros(shape, device=lse_T.device) if g is None else g  # noqa: E731
+    dlogits_TE = backward_op(logits_TE, idx_TK, gates_TK, lse_T, zeros(dgates_TK, gates_TK.shape),
+                             zeros(dprobsum_E, logits_TE.shape[1]), zeros(dlse_T, lse_T.shape),
+                             zeros(dscores_R, pick_R.shape), token_idx_R, expert_idx_R, pick_R, ctx.order,
+                             ctx.renormalize)
+    return dlogits_TE, *([None] * 9)
+
+
+_route_rounding.register_autograd(lambda op, ctx, grads: _backward_rounding(op, ctx, grads), _setup_rounding,
+                                  _route_rounding_backward)
+
+
+def route_token_rounding(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool, tile: int,
+                         mode: str, residual_E: Tensor | None) -> tuple[TopK, RoutingPlan, Tensor, Tensor]:
+    """The torch backend's route_token_rounding (sonic/routing/token_rounding.py) in one op, on device with no host
+    sync (sonic/kernels/triton/rounding.py). The ranking's P is this kernel's softmax (equal to torch's to fp32
+    rounding). nearest_score decides c_e from ranked gate sums, which these kernels do not form: it takes the torch
+    selection after this backend's top-K."""
+    _check(logits_TE, k)
+    if mode not in rounding.MODES:
+        return token_rounding.route_token_rounding(sys.modules[__name__], logits_TE, bias_E, k, order, renormalize,
+                                                   tile, mode, residual_E)
+    T, E = logits_TE.shape
+    uniform_E = torch.rand(E, device=logits_TE.device) if mode == "stochastic" else None
+    idx_TK, gates_TK, lse_T, probsum_E, scores_R, token_idx_R, expert_idx_R, _, expert_offsets_E1, token_offsets_T1, \
+        rows_by_token_R, topk_counts_E, rounded_E = _route_rounding(
+            logits_TE.contiguous(), bias_E.float().contiguous(), k, order, renormalize, tile, mode, residual_E,
+            uniform_E, token_rounding.max_rows(T, k, E, tile, mode), traced=TRACED_OPS)
+    plan = RoutingPlan(token_idx_R=token_idx_R, expert_idx_R=expert_idx_R, scores_R=scores_R,
+                       expert_offsets_E1=expert_offsets_E1, token_offsets_T1=token_offsets_T1,
+                       rows_by_token_R=rows_by_token_R)
+    return TopK(idx_TK, gates_TK, probsum_E, lse_T), plan, topk_counts_E, rounded_E
