@@ -27,7 +27,7 @@ from torch import Tensor
 from sonic.kernels.triton import launch
 
 EC_SHIFT = 0x7F800001  # EC keys are P's bits minus this: below every TC key (a gate's bits, >= 0)
-_NO_KEY = 0x7FFFFFFF  # above every key: an expert that keeps nothing
+_NO_KEY = tl.constexpr(0x7FFFFFFF)  # above every key: an expert that keeps nothing
 MODES = {"nearest": 0, "stochastic": 1, "balance": 2, "up": 3, "down": 4}  # nearest_score: the torch selection
 _RESIDENT_T = 16384  # up to this many tokens an expert's row stays in registers through the radix passes
 _CHUNK = 4096  # beyond, the row is read in blocks of this many tokens per pass
