@@ -26,10 +26,11 @@ from torch import Tensor
 
 from sonic.kernels.triton import launch
 
-EC_SHIFT = 0x7F800001  # EC keys are P's bits minus this: below every TC key (a gate's bits, >= 0)
+EC_SHIFT = tl.constexpr(0x7F800001)  # EC keys are P's bits minus this: below every TC key (a gate's bits, >= 0)
+_ONE_BITS = tl.constexpr(0x3F800000)  # the bits of 1.0: gates and P's bits are in [0, this]
 _NO_KEY = tl.constexpr(0x7FFFFFFF)  # above every key: an expert that keeps nothing
 MODES = {"nearest": 0, "stochastic": 1, "balance": 2, "up": 3, "down": 4}  # nearest_score: the torch selection
-_RESIDENT_T = 16384  # up to this many tokens an expert's row stays in registers through the radix passes
+_RESIDENT_T = 16384  # up to this many tokens an expert's row stays in registers through the search's passes
 _CHUNK = 4096  # beyond, the row is read in blocks of this many tokens per pass
 _KEEP_WARPS = 16  # the keep kernel's warps on a resident row of more than 4096 tokens
 
@@ -44,10 +45,9 @@ def token_tile(E: int) -> int:
     return max(1, min(64, 4096 // max(16, triton.next_power_of_2(E))))
 
 
-@triton.jit(do_not_specialize=["T", "NCH"])
-def _round_kernel(f_E, residual_E, uniform_E, topk_counts_E, rounded_E, expert_offsets_E1, token_offsets_T1,
-                  chunk_counts, T, NCH, E: tl.constexpr, TILE: tl.constexpr, MODE: tl.constexpr, BE: tl.constexpr,
-                  BC: tl.constexpr):
+@triton.jit(do_not_specialize=["T"])
+def _round_kernel(f_E, residual_E, uniform_E, topk_counts_E, rounded_E, expert_offsets_E1, token_offsets_T1, T,
+                  E: tl.constexpr, TILE: tl.constexpr, MODE: tl.constexpr, BE: tl.constexpr):
     """c_e from f_e (sonic/routing/token_rounding.py's round_counts): down_e = f_e rounded down to the tile,
     up_e = rounded up (at most T), and the rule picks one; f_e and c_e as int64; offsets = [0, cumsum(c)]."""
     e = tl.arange(0, BE)
@@ -73,100 +73,104 @@ def _round_kernel(f_E, residual_E, uniform_E, topk_counts_E, rounded_E, expert_o
     tl.store(expert_offsets_E1 + 1 + e, tl.cumsum(c, axis=0).to(tl.int32), mask=em)
     tl.store(expert_offsets_E1, 0)
     tl.store(token_offsets_T1, 0)
-    for start in range(0, NCH, BC):
-        j = start + tl.arange(0, BC)
-        tl.store(chunk_counts + j, tl.zeros((BC,), tl.int32), mask=j < NCH)
+
+
+PACK_BITS = 21  # bits per count when a pass packs three counts into one int64 sum (T < 2^21 tokens)
+_PACK, _PACK2, _PACK_MASK = tl.constexpr(PACK_BITS), tl.constexpr(2 * PACK_BITS), tl.constexpr((1 << PACK_BITS) - 1)
 
 
 @triton.jit
-def _ordered(k, p, USE_P: tl.constexpr):
-    """What a radix pass orders by, as int64 in [0, 2^32): the key (int32, offset to unsigned order) or P's bits."""
+def _packed_counts(k, p, m, kv, x1, x2, x3, USE_P: tl.constexpr):
+    """Per token under mask m, whether its value reaches x1, x2 and x3, as one int64 (bits 0, 21 and 42), so that
+    one sum counts all three: the value is the key, or with USE_P P's bits among the tokens at key kv."""
     if USE_P:
-        return p.to(tl.int64)
-    return k.to(tl.int64) + 2147483648
-
-
-@triton.jit
-def _block_digits(k, p, m, kv, prefix, SHIFT: tl.constexpr, USE_P: tl.constexpr, BLOCK: tl.constexpr):
-    """The 256-bin histogram of the 8-bit digit at SHIFT of the values under mask m whose higher digits are
-    prefix's (with USE_P, among the tokens at key kv). Unmatched values go to bin 0 and come off it."""
-    v = _ordered(k, p, USE_P)
-    if SHIFT < 24:
-        m = m & ((v >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
-    if USE_P:
+        v = p
         m = m & (k == kv)
-    h = tl.histogram(tl.where(m, (v >> SHIFT) & 255, 0).to(tl.int32), 256)
-    return h - tl.where(tl.arange(0, 256) == 0, BLOCK - tl.sum(m.to(tl.int32), axis=0), 0)
+    else:
+        v = k
+    hit = (v >= x1).to(tl.int64) + ((v >= x2).to(tl.int64) << _PACK) + ((v >= x3).to(tl.int64) << _PACK2)
+    return tl.where(m, hit, 0)
 
 
 @triton.jit
-def _digit_counts(key_T, prob_T, T, k_row, p_row, kv, prefix, SHIFT: tl.constexpr, USE_P: tl.constexpr,
-                  RESIDENT: tl.constexpr, BLOCK: tl.constexpr):
-    """_block_digits over a row of T tokens: the registers k_row/p_row (RESIDENT), else blocks of key_T/prob_T."""
+def _count_pass(key_T, prob_T, T, k_row, p_row, kv, x1, x2, x3, USE_P: tl.constexpr, RESIDENT: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """How many tokens of the row reach x1, x2, x3 (_packed_counts): the registers k_row/p_row (RESIDENT), else the
+    row read in blocks; one reduction either way."""
     if RESIDENT:
-        h = _block_digits(k_row, p_row, tl.arange(0, BLOCK) < T, kv, prefix, SHIFT, USE_P, BLOCK)
+        acc = _packed_counts(k_row, p_row, tl.arange(0, BLOCK) < T, kv, x1, x2, x3, USE_P)
     else:
-        h = tl.zeros((256,), tl.int32)
+        acc = tl.zeros((BLOCK,), tl.int64)
         for start in range(0, T, BLOCK):
             t = start + tl.arange(0, BLOCK)
             m = t < T
             k = tl.load(key_T + t, mask=m, other=0)
             p = tl.load(prob_T + t, mask=m, other=0)
-            h += _block_digits(k, p, m, kv, prefix, SHIFT, USE_P, BLOCK)
-    return h
+            acc += _packed_counts(k, p, m, kv, x1, x2, x3, USE_P)
+    total = tl.sum(acc, axis=0)
+    return (total & _PACK_MASK).to(tl.int32), ((total >> _PACK) & _PACK_MASK).to(tl.int32), (total >> _PACK2).to(tl.int32)
 
 
 @triton.jit
-def _radix_select(key_T, prob_T, T, need, kv, k_row, p_row, USE_P: tl.constexpr, RESIDENT: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """The need-th largest value (_ordered) of the row (with USE_P, of P among the tokens at key kv), one 8-bit
-    digit a pass from the top: (the value, how many of the tokens equal to it are within the first need, how many
-    equal it)."""
-    prefix = tl.zeros((), tl.int64)
-    bins = tl.arange(0, 256)
-    tied = tl.zeros((), tl.int32)
-    for i in tl.static_range(4):
-        h = _digit_counts(key_T, prob_T, T, k_row, p_row, kv, prefix, 24 - 8 * i, USE_P, RESIDENT, BLOCK)
-        at_or_above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # tokens with this digit or a higher one
-        b = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
-        need -= tl.sum(tl.where(bins > b, h, 0), axis=0)
-        tied = tl.sum(tl.where(bins == b, h, 0), axis=0)
-        prefix = prefix | (b.to(tl.int64) << (24 - 8 * i))
-    return prefix, need, tied
+def _search(key_T, prob_T, T, need, kv, lo, hi, k_row, p_row, USE_P: tl.constexpr, RESIDENT: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """The largest x in [lo, hi] that at least `need` tokens reach (the key, or with USE_P P's bits among the tokens
+    at key kv), given that `need` reach lo: a 4-way search, three thresholds a pass, one reduction each (a pass's
+    latency is its reduction's, so a quarter of the range a pass beats half). 16 passes cover 2^32 values."""
+    lo = lo + tl.zeros((), tl.int64)  # a constant or an int32 scalar
+    hi = hi + tl.zeros((), tl.int64)
+    for _ in tl.static_range(16):
+        q = tl.maximum((hi - lo + 4) // 4, 1)
+        x1 = tl.minimum(lo + q, hi + 1)
+        x2 = tl.minimum(lo + 2 * q, hi + 1)
+        x3 = tl.minimum(lo + 3 * q, hi + 1)
+        n1, n2, n3 = _count_pass(key_T, prob_T, T, k_row, p_row, kv, x1.to(tl.int32), x2.to(tl.int32),
+                                 x3.to(tl.int32), USE_P, RESIDENT, BLOCK)
+        new_lo = tl.where(n3 >= need, x3, tl.where(n2 >= need, x2, tl.where(n1 >= need, x1, lo)))
+        hi = tl.where(n3 >= need, hi, tl.where(n2 >= need, x3 - 1, tl.where(n1 >= need, x2 - 1, x1 - 1)))
+        lo = new_lo
+    return lo.to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _keep_kernel(key_ET, prob_ET, rounded_E, expert_offsets_E1, idx_TK, token_idx_R, expert_idx_R, scores_R, pick_R,
-                 row_ET, chunk_counts, T, K: tl.constexpr, TB: tl.constexpr, RESIDENT: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _keep_kernel(key_ET, prob_ET, topk_counts_E, rounded_E, expert_offsets_E1, idx_TK, token_idx_R, expert_idx_R,
+                 scores_R, pick_R, row_ET, T, K: tl.constexpr, RESIDENT: tl.constexpr, BLOCK: tl.constexpr):
     """Program e: its first c_e tokens by key desc, P desc, token asc, written in token order from its first row:
     the token, e, the gate (a TC key's bits, else P's) and the top-K pick (t * K + k) of a TC row (-1 for EC);
-    row_ET[e] = each token's row or -1; per chunk of TB tokens, its kept rows added to chunk_counts."""
+    row_ET[e] = each token's row or -1. Only the boundary moves: c_e = f_e keeps the TC picks, c_e < f_e drops the
+    weakest of them (the c_e-th key is a gate's bits), c_e > f_e adds the best EC candidates (an EC key)."""
     e = tl.program_id(0)
     c = tl.load(rounded_E + e).to(tl.int32)
+    f = tl.load(topk_counts_E + e).to(tl.int32)
     key_T = key_ET + e.to(tl.int64) * T
     prob_T = prob_ET + e.to(tl.int64) * T
     k_row = 0
     p_row = 0
-    if RESIDENT:  # one load; the radix passes then run on registers
+    if RESIDENT:  # one load; the search's passes then run on registers
         t = tl.arange(0, BLOCK)
         k_row = tl.load(key_T + t, mask=t < T, other=0)
         p_row = tl.load(prob_T + t, mask=t < T, other=0)
-    kv = tl.full((), _NO_KEY, tl.int32)  # keep the tokens above (kv, pv), and `room` of those at it, by token
+    # keep the tokens above (kv, pv), and the first `room` of those at it, by token; c_e = f_e: the TC picks (>= 0)
+    kv = tl.full((), -1, tl.int32)
     pv = tl.full((), -1, tl.int32)
     room = tl.zeros((), tl.int32)
-    if c > 0:
-        kx, need, tied = _radix_select(key_T, prob_T, T, c, 0, k_row, p_row, False, RESIDENT, BLOCK)
-        kv = (kx - 2147483648).to(tl.int32)
-        if tied > need:  # a tie straddles c_e: rank the tokens at kv by P
-            px, room, _ = _radix_select(key_T, prob_T, T, need, kv, k_row, p_row, True, RESIDENT, BLOCK)
-            pv = px.to(tl.int32)
+    if c == 0:
+        kv = tl.full((), _NO_KEY, tl.int32)
+    elif c != f:
+        lo = tl.where(c < f, 0, -EC_SHIFT)  # a gate's bits, or an EC key (P's bits - EC_SHIFT)
+        kv = _search(key_T, prob_T, T, c, 0, lo, lo + _ONE_BITS, k_row, p_row, False, RESIDENT, BLOCK)
+        above, at_or_above, _ = _count_pass(key_T, prob_T, T, k_row, p_row, 0, kv + 1, kv, _NO_KEY, False, RESIDENT,
+                                            BLOCK)
+        need = c - above  # of the tokens at kv
+        if at_or_above - above > need:  # a tie straddles c_e: rank the tokens at kv by P
+            pv = _search(key_T, prob_T, T, need, kv, 0, _ONE_BITS, k_row, p_row, True, RESIDENT, BLOCK)
+            room = need - _count_pass(key_T, prob_T, T, k_row, p_row, kv, pv + 1, _NO_KEY, _NO_KEY, True, RESIDENT,
+                                      BLOCK)[0]
         else:  # every token at kv is kept
             pv = tl.full((), -1, tl.int32)
     first = tl.load(expert_offsets_E1 + e)
     written = tl.zeros((), tl.int32)
     tied_seen = tl.zeros((), tl.int32)
-    chunks = tl.arange(0, BLOCK // TB)
     for start in range(0, T, BLOCK):
         t = start + tl.arange(0, BLOCK)
         m = t < T
@@ -187,12 +191,24 @@ def _keep_kernel(key_ET, prob_ET, rounded_E, expert_offsets_E1, idx_TK, token_id
         tl.store(scores_R + row, tl.where(k >= 0, k, p).to(tl.float32, bitcast=True), mask=keep)
         tl.store(pick_R + row, tl.where(tc, t * K + slot, -1), mask=keep)
         tl.store(row_ET + e.to(tl.int64) * T + t, tl.where(keep, row, -1), mask=m)
-        local = tl.where(keep, (t - start) // TB, 0)
-        h = tl.histogram(local, BLOCK // TB)
-        h -= tl.where(chunks == 0, BLOCK - tl.sum(ki, axis=0), 0)
-        tl.atomic_add(chunk_counts + start // TB + chunks, h, mask=h > 0)  # integer sums: any order, one result
         written += tl.sum(ki, axis=0)
         tied_seen += tl.sum(tie, axis=0)
+
+
+@triton.jit
+def _chunk_rows(row_ET, c, T, E: tl.constexpr, TB: tl.constexpr, BE: tl.constexpr):
+    """Chunk c's tokens (TB) x experts: each (token, expert)'s row, or -1."""
+    t = c * TB + tl.arange(0, TB)
+    e = tl.arange(0, BE)
+    return tl.load(row_ET + e.to(tl.int64)[None, :] * T + t[:, None], mask=(t < T)[:, None] & (e < E)[None, :],
+                   other=-1)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_counts_kernel(row_ET, chunk_counts, T, E: tl.constexpr, TB: tl.constexpr, BE: tl.constexpr):
+    """chunk_counts[c] = the kept rows of chunk c's tokens."""
+    c = tl.program_id(0)
+    tl.store(chunk_counts + c, tl.sum(tl.sum((_chunk_rows(row_ET, c, T, E, TB, BE) >= 0).to(tl.int32), axis=1), 0))
 
 
 @triton.jit(do_not_specialize=["T", "rows"])
@@ -200,13 +216,11 @@ def _token_rows_kernel(row_ET, chunk_counts, expert_offsets_E1, token_offsets_T1
                        expert_idx_R, scores_R, pick_R, T, rows, E: tl.constexpr, TB: tl.constexpr, BE: tl.constexpr,
                        NCHP: tl.constexpr, PAD: tl.constexpr):
     """Chunk c of TB tokens: each token's rows in expert order (so row order, as build_plan's stable sort by token
-    lists them) from the offset the earlier chunks' counters give, and its token offsets. Then PAD of the padding
+    lists them) from the offset the earlier chunks' counts give, and its token offsets. Then PAD of the padding
     rows past the live ones: expert E, token 0, gate 0, listed last by token (sonic/routing/plan.py)."""
     c = tl.program_id(0)
     t = c * TB + tl.arange(0, TB)
-    e = tl.arange(0, BE)
-    row = tl.load(row_ET + e.to(tl.int64)[None, :] * T + t[:, None], mask=(t < T)[:, None] & (e < E)[None, :],
-                  other=-1)
+    row = _chunk_rows(row_ET, c, T, E, TB, BE)
     kept = (row >= 0).to(tl.int32)
     n = tl.sum(kept, axis=1)
     j = tl.arange(0, NCHP)
@@ -233,6 +247,7 @@ def keep_rows(key_ET: Tensor, prob_ET: Tensor, counts_E: Tensor, idx_TK: Tensor,
     residual."""
     assert mode in MODES, mode
     E, T = key_ET.shape
+    assert T < 1 << PACK_BITS, T  # a pass's three counts share one int64
     K = idx_TK.shape[1]
     dev = key_ET.device
     tb = token_tile(E)
@@ -246,14 +261,15 @@ def keep_rows(key_ET: Tensor, prob_ET: Tensor, counts_E: Tensor, idx_TK: Tensor,
     be = max(16, triton.next_power_of_2(E))
     launch(_round_kernel, (1,))(counts_E, counts_E if residual_E is None else residual_E,
                                 counts_E if uniform_E is None else uniform_E, topk_counts_E, rounded_E,
-                                expert_offsets_E1, token_offsets_T1, chunk_counts, T, nch, E=E, TILE=tile,
-                                MODE=MODES[mode], BE=be, BC=1024, num_warps=4)
+                                expert_offsets_E1, token_offsets_T1, T, E=E, TILE=tile, MODE=MODES[mode], BE=be,
+                                num_warps=4)
     if T:
         resident = T <= _RESIDENT_T
-        block = max(16, 2 * tb, triton.next_power_of_2(T)) if resident else max(_CHUNK, 2 * tb)
-        launch(_keep_kernel, (E,))(key_ET, prob_ET, rounded_E, expert_offsets_E1, idx_TK, token_idx_R, expert_idx_R,
-                                   scores_R, pick_R, row_ET, chunk_counts, T, K=K, TB=tb, RESIDENT=resident,
-                                   BLOCK=block, num_warps=_KEEP_WARPS if block >= 8192 else 8)
+        block = max(16, triton.next_power_of_2(T)) if resident else _CHUNK
+        launch(_keep_kernel, (E,))(key_ET, prob_ET, topk_counts_E, rounded_E, expert_offsets_E1, idx_TK, token_idx_R,
+                                   expert_idx_R, scores_R, pick_R, row_ET, T, K=K, RESIDENT=resident, BLOCK=block,
+                                   num_warps=_KEEP_WARPS if block >= 8192 else 8)
+        launch(_chunk_counts_kernel, (nch,))(row_ET, chunk_counts, T, E=E, TB=tb, BE=be, num_warps=4)
     pad = max(16, triton.next_power_of_2(triton.cdiv(rows, max(nch, 1))))
     launch(_token_rows_kernel, (max(nch, 1),))(row_ET, chunk_counts, expert_offsets_E1, token_offsets_T1,
                                                rows_by_token_R, token_idx_R, expert_idx_R, scores_R, pick_R, T, rows,

@@ -61,7 +61,7 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 # (bench/results/2026-11-25-h200-select-sort-ab.json)
 SORT_FROM_K = 16
 SCAN_E, SCAN_C = 16, 256  # the chunk scan's experts per program and chunks per step
-_EC_SHIFT = tl.constexpr(rounding.EC_SHIFT)  # token rounding's EC keys: P's bits minus this (rounding.py)
+_EC_SHIFT = rounding.EC_SHIFT  # token rounding's EC keys: P's bits minus this (a constexpr, rounding.py)
 
 
 def _tiles(E: int, K: int) -> dict:
