@@ -1,4 +1,4 @@
-"""Token rounding's selection and plan in Triton kernels: the last three launches of the triton routing backend's
+"""Token rounding's selection and plan in Triton kernels: the last four launches of the triton routing backend's
 `route_token_rounding` (sonic/kernels/triton/routing.py), with the semantics of the torch backend's
 (sonic/routing/token_rounding.py: rounding rules, ranking, padding).
 
@@ -6,15 +6,17 @@ Expert e keeps the first c_e tokens of its ranking: its top-K (TC) picks by gate
 ties by P, then token (step 3 of that module's docstring). The select kernel before these writes the ranking keys
 as int32, experts x tokens (a TC key is its gate's bits, an EC key P's bits shifted below every TC key: the
 class order and each class's float order in one integer) and P's bits; the chunk scan gives f_e. Then:
-  _round_kernel       one program: c_e from f_e by the rounding rule, the expert offsets (the exclusive sum of
-                      the c_e), and the per-chunk row counters zeroed
-  _keep_kernel        per expert: the c_e-th key of its ranking by a radix select (four 8-bit digit histograms
-                      over the row, held in registers up to 16384 tokens), then the same on P among the keys tied
-                      with it (only when a tie straddles c_e); its kept tokens are written in token order from its
-                      first row (token, expert, gate, and which top-K pick a TC row is), every token's row id (or
-                      -1) in an experts x tokens map, and its kept rows counted per chunk of tokens
+  _round_kernel       one program: c_e from f_e by the rounding rule, and the expert offsets (the exclusive sum
+                      of the c_e)
+  _keep_kernel        per expert: nothing to search when c_e = f_e (its TC picks); else the c_e-th key of its ranking
+                      by bisection within the class that moves (the TC gates when dropping, the EC keys when adding:
+                      30 counting passes over the row, held in registers up to 16384 tokens), then on P among the
+                      keys tied with it (only when a tie straddles c_e); its kept tokens are written in token order
+                      from its first row (token, expert, gate, and which top-K pick a TC row is), and every token's
+                      row (or -1) in an experts x tokens map
+  _chunk_counts_kernel  per chunk of tokens: its kept rows
   _token_rows_kernel  per chunk of tokens: its tokens' rows in expert order (rows_by_token: no sort by token), the
-                      token offsets from the chunk counters, and a share of the padding rows past the live ones
+                      token offsets from the earlier chunks' counts, and a share of the padding rows past the live ones
 No sort, no histogram over T x E, no host sync: the rows are padded to a bound (sonic/routing/plan.py).
 """
 from __future__ import annotations
@@ -28,9 +30,10 @@ from sonic.kernels.triton import launch
 
 EC_SHIFT = tl.constexpr(0x7F800001)  # EC keys are P's bits minus this: below every TC key (a gate's bits, >= 0)
 _ONE_BITS = tl.constexpr(0x3F800000)  # the bits of 1.0: gates and P's bits are in [0, this]
+_STEPS = tl.constexpr(30)  # bisection steps over a range of _ONE_BITS + 1 values
 _NO_KEY = tl.constexpr(0x7FFFFFFF)  # above every key: an expert that keeps nothing
 MODES = {"nearest": 0, "stochastic": 1, "balance": 2, "up": 3, "down": 4}  # nearest_score: the torch selection
-_RESIDENT_T = 16384  # up to this many tokens an expert's row stays in registers through the search's passes
+_RESIDENT_T = 16384  # up to this many tokens an expert's row stays in registers through the bisection
 _CHUNK = 4096  # beyond, the row is read in blocks of this many tokens per pass
 _KEEP_WARPS = 16  # the keep kernel's warps on a resident row of more than 4096 tokens
 
@@ -75,60 +78,47 @@ def _round_kernel(f_E, residual_E, uniform_E, topk_counts_E, rounded_E, expert_o
     tl.store(token_offsets_T1, 0)
 
 
-PACK_BITS = 21  # bits per count when a pass packs three counts into one int64 sum (T < 2^21 tokens)
-_PACK, _PACK2, _PACK_MASK = tl.constexpr(PACK_BITS), tl.constexpr(2 * PACK_BITS), tl.constexpr((1 << PACK_BITS) - 1)
-
-
 @triton.jit
-def _packed_counts(k, p, m, kv, x1, x2, x3, USE_P: tl.constexpr):
-    """Per token under mask m, whether its value reaches x1, x2 and x3, as one int64 (bits 0, 21 and 42), so that
-    one sum counts all three: the value is the key, or with USE_P P's bits among the tokens at key kv."""
-    if USE_P:
-        v = p
-        m = m & (k == kv)
-    else:
-        v = k
-    hit = (v >= x1).to(tl.int64) + ((v >= x2).to(tl.int64) << _PACK) + ((v >= x3).to(tl.int64) << _PACK2)
-    return tl.where(m, hit, 0)
-
-
-@triton.jit
-def _count_pass(key_T, prob_T, T, k_row, p_row, kv, x1, x2, x3, USE_P: tl.constexpr, RESIDENT: tl.constexpr,
+def _count_from(key_T, prob_T, T, kv, pv, k_row, p_row, USE_P: tl.constexpr, RESIDENT: tl.constexpr,
                 BLOCK: tl.constexpr):
-    """How many tokens of the row reach x1, x2, x3 (_packed_counts): the registers k_row/p_row (RESIDENT), else the
-    row read in blocks; one reduction either way."""
+    """How many tokens rank at or above (kv, pv): key > kv, or key == kv and P's bits >= pv (key >= kv alone
+    without USE_P). RESIDENT: the row is k_row/p_row (one block); else it is read in blocks from key_T/prob_T."""
     if RESIDENT:
-        acc = _packed_counts(k_row, p_row, tl.arange(0, BLOCK) < T, kv, x1, x2, x3, USE_P)
+        m = tl.arange(0, BLOCK) < T
+        if USE_P:
+            hit = (k_row > kv) | ((k_row == kv) & (p_row >= pv))
+        else:
+            hit = k_row >= kv
+        n = tl.sum((hit & m).to(tl.int32), axis=0)
     else:
-        acc = tl.zeros((BLOCK,), tl.int64)
+        n = tl.zeros((), tl.int32)
         for start in range(0, T, BLOCK):
             t = start + tl.arange(0, BLOCK)
             m = t < T
             k = tl.load(key_T + t, mask=m, other=0)
-            p = tl.load(prob_T + t, mask=m, other=0)
-            acc += _packed_counts(k, p, m, kv, x1, x2, x3, USE_P)
-    total = tl.sum(acc, axis=0)
-    return (total & _PACK_MASK).to(tl.int32), ((total >> _PACK) & _PACK_MASK).to(tl.int32), (total >> _PACK2).to(tl.int32)
+            if USE_P:
+                hit = (k > kv) | ((k == kv) & (tl.load(prob_T + t, mask=m, other=0) >= pv))
+            else:
+                hit = k >= kv
+            n += tl.sum((hit & m).to(tl.int32), axis=0)
+    return n
 
 
 @triton.jit
-def _search(key_T, prob_T, T, need, kv, lo, hi, k_row, p_row, USE_P: tl.constexpr, RESIDENT: tl.constexpr,
+def _bisect(key_T, prob_T, T, c, kv, lo, k_row, p_row, USE_P: tl.constexpr, RESIDENT: tl.constexpr,
             BLOCK: tl.constexpr):
-    """The largest x in [lo, hi] that at least `need` tokens reach (the key, or with USE_P P's bits among the tokens
-    at key kv), given that `need` reach lo: a 4-way search, three thresholds a pass, one reduction each (a pass's
-    latency is its reduction's, so a quarter of the range a pass beats half). 16 passes cover 2^32 values."""
+    """The largest x in [lo, lo + _ONE_BITS] with at least c tokens at or above it (given that lo has): x a key (USE_P
+    false) or, among the tokens at key kv, a P. One count a step: a step's latency is its reduction's."""
     lo = lo + tl.zeros((), tl.int64)  # a constant or an int32 scalar
-    hi = hi + tl.zeros((), tl.int64)
-    for _ in tl.static_range(16):
-        q = tl.maximum((hi - lo + 4) // 4, 1)
-        x1 = tl.minimum(lo + q, hi + 1)
-        x2 = tl.minimum(lo + 2 * q, hi + 1)
-        x3 = tl.minimum(lo + 3 * q, hi + 1)
-        n1, n2, n3 = _count_pass(key_T, prob_T, T, k_row, p_row, kv, x1.to(tl.int32), x2.to(tl.int32),
-                                 x3.to(tl.int32), USE_P, RESIDENT, BLOCK)
-        new_lo = tl.where(n3 >= need, x3, tl.where(n2 >= need, x2, tl.where(n1 >= need, x1, lo)))
-        hi = tl.where(n3 >= need, hi, tl.where(n2 >= need, x3 - 1, tl.where(n1 >= need, x2 - 1, x1 - 1)))
-        lo = new_lo
+    hi = lo + _ONE_BITS
+    for _ in range(_STEPS):
+        mid = lo + (hi - lo + 1) // 2
+        if USE_P:
+            n = _count_from(key_T, prob_T, T, kv, mid.to(tl.int32), k_row, p_row, True, RESIDENT, BLOCK)
+        else:
+            n = _count_from(key_T, prob_T, T, mid.to(tl.int32), 0, k_row, p_row, False, RESIDENT, BLOCK)
+        lo = tl.where(n >= c, mid, lo)
+        hi = tl.where(n >= c, hi, mid - 1)
     return lo.to(tl.int32)
 
 
@@ -158,16 +148,11 @@ def _keep_kernel(key_ET, prob_ET, topk_counts_E, rounded_E, expert_offsets_E1, i
         kv = tl.full((), _NO_KEY, tl.int32)
     elif c != f:
         lo = tl.where(c < f, 0, -EC_SHIFT)  # a gate's bits, or an EC key (P's bits - EC_SHIFT)
-        kv = _search(key_T, prob_T, T, c, 0, lo, lo + _ONE_BITS, k_row, p_row, False, RESIDENT, BLOCK)
-        above, at_or_above, _ = _count_pass(key_T, prob_T, T, k_row, p_row, 0, kv + 1, kv, _NO_KEY, False, RESIDENT,
-                                            BLOCK)
-        need = c - above  # of the tokens at kv
-        if at_or_above - above > need:  # a tie straddles c_e: rank the tokens at kv by P
-            pv = _search(key_T, prob_T, T, need, kv, 0, _ONE_BITS, k_row, p_row, True, RESIDENT, BLOCK)
-            room = need - _count_pass(key_T, prob_T, T, k_row, p_row, kv, pv + 1, _NO_KEY, _NO_KEY, True, RESIDENT,
-                                      BLOCK)[0]
-        else:  # every token at kv is kept
-            pv = tl.full((), -1, tl.int32)
+        kv = _bisect(key_T, prob_T, T, c, 0, lo, k_row, p_row, False, RESIDENT, BLOCK)
+        # every token at kv is kept (pv = -1), unless a tie straddles c_e: then rank the tokens at kv by P
+        if _count_from(key_T, prob_T, T, kv, 0, k_row, p_row, False, RESIDENT, BLOCK) > c:
+            pv = _bisect(key_T, prob_T, T, c, kv, 0, k_row, p_row, True, RESIDENT, BLOCK)
+            room = c - _count_from(key_T, prob_T, T, kv, pv + 1, k_row, p_row, True, RESIDENT, BLOCK)
     first = tl.load(expert_offsets_E1 + e)
     written = tl.zeros((), tl.int32)
     tied_seen = tl.zeros((), tl.int32)
@@ -247,7 +232,6 @@ def keep_rows(key_ET: Tensor, prob_ET: Tensor, counts_E: Tensor, idx_TK: Tensor,
     residual."""
     assert mode in MODES, mode
     E, T = key_ET.shape
-    assert T < 1 << PACK_BITS, T  # a pass's three counts share one int64
     K = idx_TK.shape[1]
     dev = key_ET.device
     tb = token_tile(E)

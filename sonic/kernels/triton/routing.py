@@ -21,7 +21,7 @@ sonic/kernels/triton/centring.py. prefix_standardise[_backward] (routing.logit_n
 standardised per expert over the earlier positions, in sonic/kernels/triton/logit_norm.py.
 
 route_token_rounding (routing.method=token_rounding): the select kernel also writes the ranking keys, the chunk scan
-gives f_e, and sonic/kernels/triton/rounding.py's three kernels round the counts, keep each expert's best c_e
+gives f_e, and sonic/kernels/triton/rounding.py's four kernels round the counts, keep each expert's best c_e
 tokens and list the rows by token; one op, whose backward is the select backward with the EC rows' gradient on P.
 """
 from __future__ import annotations
@@ -468,8 +468,8 @@ def route_topk(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormaliz
 
 def _route_rounding_impl(logits_TE: Tensor, bias_E: Tensor, k: int, order: str, renormalize: bool, tile: int,
                          mode: str, residual_E: Tensor | None, uniform_E: Tensor | None, rows: int) -> list[Tensor]:
-    """select_topk and token rounding's plan of its picks in one op, five launches: select (with its picks per chunk
-    and the ranking keys), the chunk scan (f_e, probsum), and rounding.keep_rows' three. (idx_TK, gates_TK, lse_T,
+    """select_topk and token rounding's plan of its picks in one op, six launches: select (with its picks per chunk
+    and the ranking keys), the chunk scan (f_e, probsum), and rounding.keep_rows' four. (idx_TK, gates_TK, lse_T,
     probsum_E) and keep_rows' list."""
     T, E = logits_TE.shape
     key_ET, prob_ET = (_alloc((E, T), torch.int32, logits_TE.device) for _ in range(2))
