@@ -12,11 +12,12 @@ class order and each class's float order in one integer) and P's bits; the chunk
                       by bisection within the class that moves (the TC gates when dropping, the EC keys when adding:
                       30 counting passes over the row, held in registers up to 16384 tokens), then on P among the
                       keys tied with it (only when a tie straddles c_e); its kept tokens are written in token order
-                      from its first row (token, expert, gate, and which top-K pick a TC row is), and every token's
-                      row (or -1) in an experts x tokens map
+                      from its first row (token, expert, gate), and every token's row (or -1) in an experts x tokens
+                      map
   _chunk_counts_kernel  per chunk of tokens: its kept rows
   _token_rows_kernel  per chunk of tokens: its tokens' rows in expert order (rows_by_token: no sort by token), the
-                      token offsets from the earlier chunks' counts, and a share of the padding rows past the live ones
+                      token offsets from the earlier chunks' counts, which top-K pick each kept TC row is (what its
+                      gate's gradient joins), and a share of the padding rows past the live ones
 No sort, no histogram over T x E, no host sync: the rows are padded to a bound (sonic/routing/plan.py).
 """
 from __future__ import annotations
@@ -123,11 +124,10 @@ def _bisect(key_T, prob_T, T, c, kv, lo, k_row, p_row, USE_P: tl.constexpr, RESI
 
 
 @triton.jit(do_not_specialize=["T"])
-def _keep_kernel(key_ET, prob_ET, topk_counts_E, rounded_E, expert_offsets_E1, idx_TK, token_idx_R, expert_idx_R,
-                 scores_R, pick_R, row_ET, T, K: tl.constexpr, RESIDENT: tl.constexpr, BLOCK: tl.constexpr):
+def _keep_kernel(key_ET, prob_ET, topk_counts_E, rounded_E, expert_offsets_E1, token_idx_R, expert_idx_R, scores_R,
+                 pick_R, row_ET, T, RESIDENT: tl.constexpr, BLOCK: tl.constexpr):
     """Program e: its first c_e tokens by key desc, P desc, token asc, written in token order from its first row:
-    the token, e, the gate (a TC key's bits, else P's) and the top-K pick (t * K + k) of a TC row (-1 for EC);
-    row_ET[e] = each token's row or -1. Only the boundary moves: c_e = f_e keeps the TC picks, c_e < f_e drops the
+    the token, e, the gate (a TC key's bits, else P's) and pick -1; row_ET[e] = each token's row or -1. Only the boundary moves: c_e = f_e keeps the TC picks, c_e < f_e drops the
     weakest of them (the c_e-th key is a gate's bits), c_e > f_e adds the best EC candidates (an EC key)."""
     e = tl.program_id(0)
     c = tl.load(rounded_E + e).to(tl.int32)
@@ -166,15 +166,10 @@ def _keep_kernel(key_ET, prob_ET, topk_counts_E, rounded_E, expert_offsets_E1, i
         keep = keep | ((tie != 0) & (tied_seen + tl.cumsum(tie, axis=0) - tie < room))
         ki = keep.to(tl.int32)
         row = first + written + tl.cumsum(ki, axis=0) - ki
-        tc = keep & (k >= 0)
-        slot = tl.zeros((BLOCK,), tl.int32)
-        for j in tl.static_range(K):
-            ij = tl.load(idx_TK + t.to(tl.int64) * K + j, mask=tc, other=-1)
-            slot = tl.where(ij == e, j, slot)
         tl.store(token_idx_R + row, t, mask=keep)
         tl.store(expert_idx_R + row, tl.zeros_like(row) + e, mask=keep)
         tl.store(scores_R + row, tl.where(k >= 0, k, p).to(tl.float32, bitcast=True), mask=keep)
-        tl.store(pick_R + row, tl.where(tc, t * K + slot, -1), mask=keep)
+        tl.store(pick_R + row, tl.zeros_like(row) - 1, mask=keep)  # a TC row's pick: _token_rows_kernel
         tl.store(row_ET + e.to(tl.int64) * T + t, tl.where(keep, row, -1), mask=m)
         written += tl.sum(ki, axis=0)
         tied_seen += tl.sum(tie, axis=0)
@@ -197,12 +192,13 @@ def _chunk_counts_kernel(row_ET, chunk_counts, T, E: tl.constexpr, TB: tl.conste
 
 
 @triton.jit(do_not_specialize=["T", "rows"])
-def _token_rows_kernel(row_ET, chunk_counts, expert_offsets_E1, token_offsets_T1, rows_by_token_R, token_idx_R,
-                       expert_idx_R, scores_R, pick_R, T, rows, E: tl.constexpr, TB: tl.constexpr, BE: tl.constexpr,
-                       NCHP: tl.constexpr, PAD: tl.constexpr):
+def _token_rows_kernel(row_ET, chunk_counts, idx_TK, expert_offsets_E1, token_offsets_T1, rows_by_token_R, token_idx_R,
+                       expert_idx_R, scores_R, pick_R, T, rows, E: tl.constexpr, K: tl.constexpr, TB: tl.constexpr,
+                       BE: tl.constexpr, KP: tl.constexpr, NCHP: tl.constexpr, PAD: tl.constexpr):
     """Chunk c of TB tokens: each token's rows in expert order (so row order, as build_plan's stable sort by token
-    lists them) from the offset the earlier chunks' counts give, and its token offsets. Then PAD of the padding
-    rows past the live ones: expert E, token 0, gate 0, listed last by token (sonic/routing/plan.py)."""
+    lists them) from the offset the earlier chunks' counts give, its token offsets, and the top-K pick (t * K + k)
+    of each of its kept TC rows. Then PAD of the padding rows past the live ones: expert E, token 0, gate 0, pick
+    -1, listed last by token (sonic/routing/plan.py)."""
     c = tl.program_id(0)
     t = c * TB + tl.arange(0, TB)
     row = _chunk_rows(row_ET, c, T, E, TB, BE)
@@ -214,6 +210,11 @@ def _token_rows_kernel(row_ET, chunk_counts, expert_offsets_E1, token_offsets_T1
     tl.store(token_offsets_T1 + 1 + t, incl, mask=t < T)
     dst = (incl - n)[:, None] + tl.cumsum(kept, axis=1) - kept
     tl.store(rows_by_token_R + dst, row, mask=kept != 0)
+    kk = tl.arange(0, KP)
+    pm = (t < T)[:, None] & (kk < K)[None, :]
+    pick = t.to(tl.int64)[:, None] * K + kk[None, :]
+    pick_row = tl.load(row_ET + tl.load(idx_TK + pick, mask=pm, other=0) * T + t[:, None], mask=pm, other=-1)
+    tl.store(pick_R + pick_row, pick.to(tl.int32), mask=pick_row >= 0)
     live = tl.load(expert_offsets_E1 + E)
     r = live + c * PAD + tl.arange(0, PAD)
     pm = r < rows
@@ -250,14 +251,14 @@ def keep_rows(key_ET: Tensor, prob_ET: Tensor, counts_E: Tensor, idx_TK: Tensor,
     if T:
         resident = T <= _RESIDENT_T
         block = max(16, triton.next_power_of_2(T)) if resident else _CHUNK
-        launch(_keep_kernel, (E,))(key_ET, prob_ET, topk_counts_E, rounded_E, expert_offsets_E1, idx_TK, token_idx_R,
-                                   expert_idx_R, scores_R, pick_R, row_ET, T, K=K, RESIDENT=resident, BLOCK=block,
+        launch(_keep_kernel, (E,))(key_ET, prob_ET, topk_counts_E, rounded_E, expert_offsets_E1, token_idx_R,
+                                   expert_idx_R, scores_R, pick_R, row_ET, T, RESIDENT=resident, BLOCK=block,
                                    num_warps=_KEEP_WARPS if block >= 8192 else 8)
         launch(_chunk_counts_kernel, (nch,))(row_ET, chunk_counts, T, E=E, TB=tb, BE=be, num_warps=4)
     pad = max(16, triton.next_power_of_2(triton.cdiv(rows, max(nch, 1))))
-    launch(_token_rows_kernel, (max(nch, 1),))(row_ET, chunk_counts, expert_offsets_E1, token_offsets_T1,
+    launch(_token_rows_kernel, (max(nch, 1),))(row_ET, chunk_counts, idx_TK, expert_offsets_E1, token_offsets_T1,
                                                rows_by_token_R, token_idx_R, expert_idx_R, scores_R, pick_R, T, rows,
-                                               E=E, TB=tb, BE=be, NCHP=max(16, triton.next_power_of_2(nch)),
-                                               PAD=pad, num_warps=4)
+                                               E=E, K=K, TB=tb, BE=be, KP=max(2, triton.next_power_of_2(K)),
+                                               NCHP=max(16, triton.next_power_of_2(nch)), PAD=pad, num_warps=4)
     return [scores_R, token_idx_R, expert_idx_R, pick_R, expert_offsets_E1, token_offsets_T1, rows_by_token_R,
             topk_counts_E, rounded_E]
