@@ -34,9 +34,8 @@ _ONE_BITS = tl.constexpr(0x3F800000)  # the bits of 1.0: gates and P's bits are 
 _STEPS = tl.constexpr(30)  # bisection steps over a range of _ONE_BITS + 1 values
 _NO_KEY = tl.constexpr(0x7FFFFFFF)  # above every key: an expert that keeps nothing
 MODES = {"nearest": 0, "stochastic": 1, "balance": 2, "up": 3, "down": 4}  # nearest_score: the torch selection
-_RESIDENT_T = 16384  # up to this many tokens an expert's row stays in registers through the bisection
-_CHUNK = 4096  # beyond, the row is read in blocks of this many tokens per pass
-_KEEP_WARPS = 16  # the keep kernel's warps on a resident row of more than 4096 tokens
+_RESIDENT_T = 16384  # up to this many tokens an expert's keys stay in registers through the bisection
+_CHUNK = 4096  # tokens a step reads at a time otherwise, and what the keep kernel writes at a time
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -45,7 +44,7 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def token_tile(E: int) -> int:
-    """Tokens per program of the token-rows kernel (and per chunk counter of the keep kernel)."""
+    """Tokens per program of the chunk-counts and token-rows kernels."""
     return max(1, min(64, 4096 // max(16, triton.next_power_of_2(E))))
 
 
@@ -80,34 +79,30 @@ def _round_kernel(f_E, residual_E, uniform_E, topk_counts_E, rounded_E, expert_o
 
 
 @triton.jit
-def _count_from(key_T, prob_T, T, kv, pv, k_row, p_row, USE_P: tl.constexpr, RESIDENT: tl.constexpr,
-                BLOCK: tl.constexpr):
+def _count_from(key_T, prob_T, T, kv, pv, k_row, USE_P: tl.constexpr, RESIDENT: tl.constexpr, ROW: tl.constexpr,
+                CHUNK: tl.constexpr):
     """How many tokens rank at or above (kv, pv): key > kv, or key == kv and P's bits >= pv (key >= kv alone
-    without USE_P). RESIDENT: the row is k_row/p_row (one block); else it is read in blocks from key_T/prob_T."""
-    if RESIDENT:
-        m = tl.arange(0, BLOCK) < T
-        if USE_P:
-            hit = (k_row > kv) | ((k_row == kv) & (p_row >= pv))
-        else:
-            hit = k_row >= kv
-        n = tl.sum((hit & m).to(tl.int32), axis=0)
+    without USE_P). The keys from k_row (RESIDENT, ROW of them) when P is not needed, else read in chunks; one
+    reduction either way."""
+    if RESIDENT and not USE_P:
+        acc = ((k_row >= kv) & (tl.arange(0, ROW) < T)).to(tl.int32)
     else:
-        n = tl.zeros((), tl.int32)
-        for start in range(0, T, BLOCK):
-            t = start + tl.arange(0, BLOCK)
+        acc = tl.zeros((CHUNK,), tl.int32)
+        for start in range(0, T, CHUNK):
+            t = start + tl.arange(0, CHUNK)
             m = t < T
             k = tl.load(key_T + t, mask=m, other=0)
             if USE_P:
                 hit = (k > kv) | ((k == kv) & (tl.load(prob_T + t, mask=m, other=0) >= pv))
             else:
                 hit = k >= kv
-            n += tl.sum((hit & m).to(tl.int32), axis=0)
-    return n
+            acc += (hit & m).to(tl.int32)
+    return tl.sum(acc, axis=0)
 
 
 @triton.jit
-def _bisect(key_T, prob_T, T, c, kv, lo, k_row, p_row, USE_P: tl.constexpr, RESIDENT: tl.constexpr,
-            BLOCK: tl.constexpr):
+def _bisect(key_T, prob_T, T, c, kv, lo, k_row, USE_P: tl.constexpr, RESIDENT: tl.constexpr, ROW: tl.constexpr,
+            CHUNK: tl.constexpr):
     """The largest x in [lo, lo + _ONE_BITS] with at least c tokens at or above it (given that lo has): x a key (USE_P
     false) or, among the tokens at key kv, a P. One count a step: a step's latency is its reduction's."""
     lo = lo + tl.zeros((), tl.int64)  # a constant or an int32 scalar
@@ -115,9 +110,9 @@ def _bisect(key_T, prob_T, T, c, kv, lo, k_row, p_row, USE_P: tl.constexpr, RESI
     for _ in range(_STEPS):
         mid = lo + (hi - lo + 1) // 2
         if USE_P:
-            n = _count_from(key_T, prob_T, T, kv, mid.to(tl.int32), k_row, p_row, True, RESIDENT, BLOCK)
+            n = _count_from(key_T, prob_T, T, kv, mid.to(tl.int32), k_row, True, RESIDENT, ROW, CHUNK)
         else:
-            n = _count_from(key_T, prob_T, T, mid.to(tl.int32), 0, k_row, p_row, False, RESIDENT, BLOCK)
+            n = _count_from(key_T, prob_T, T, mid.to(tl.int32), 0, k_row, False, RESIDENT, ROW, CHUNK)
         lo = tl.where(n >= c, mid, lo)
         hi = tl.where(n >= c, hi, mid - 1)
     return lo.to(tl.int32)
@@ -125,21 +120,17 @@ def _bisect(key_T, prob_T, T, c, kv, lo, k_row, p_row, USE_P: tl.constexpr, RESI
 
 @triton.jit(do_not_specialize=["T"])
 def _keep_kernel(key_ET, prob_ET, topk_counts_E, rounded_E, expert_offsets_E1, token_idx_R, expert_idx_R, scores_R,
-                 pick_R, row_ET, T, RESIDENT: tl.constexpr, BLOCK: tl.constexpr):
+                 pick_R, row_ET, T, RESIDENT: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr):
     """Program e: its first c_e tokens by key desc, P desc, token asc, written in token order from its first row:
-    the token, e, the gate (a TC key's bits, else P's) and pick -1; row_ET[e] = each token's row or -1. Only the boundary moves: c_e = f_e keeps the TC picks, c_e < f_e drops the
-    weakest of them (the c_e-th key is a gate's bits), c_e > f_e adds the best EC candidates (an EC key)."""
+    the token, e, the gate (a TC key's bits, else P's) and pick -1; row_ET[e] = each token's row or -1. Only the
+    boundary moves: c_e = f_e keeps the TC picks, c_e < f_e drops the weakest of them (the c_e-th key is a gate's
+    bits), c_e > f_e adds the best EC candidates (an EC key). RESIDENT: the keys of the row (ROW >= T) stay in
+    registers through the bisection; the rest is read in chunks of CHUNK tokens (so little else is live)."""
     e = tl.program_id(0)
     c = tl.load(rounded_E + e).to(tl.int32)
     f = tl.load(topk_counts_E + e).to(tl.int32)
     key_T = key_ET + e.to(tl.int64) * T
     prob_T = prob_ET + e.to(tl.int64) * T
-    k_row = 0
-    p_row = 0
-    if RESIDENT:  # one load; the search's passes then run on registers
-        t = tl.arange(0, BLOCK)
-        k_row = tl.load(key_T + t, mask=t < T, other=0)
-        p_row = tl.load(prob_T + t, mask=t < T, other=0)
     # keep the tokens above (kv, pv), and the first `room` of those at it, by token; c_e = f_e: the TC picks (>= 0)
     kv = tl.full((), -1, tl.int32)
     pv = tl.full((), -1, tl.int32)
@@ -147,17 +138,20 @@ def _keep_kernel(key_ET, prob_ET, topk_counts_E, rounded_E, expert_offsets_E1, t
     if c == 0:
         kv = tl.full((), _NO_KEY, tl.int32)
     elif c != f:
+        k_row = 0
+        if RESIDENT:  # one load; the bisection's steps then run on registers
+            k_row = tl.load(key_T + tl.arange(0, ROW), mask=tl.arange(0, ROW) < T, other=0)
         lo = tl.where(c < f, 0, -EC_SHIFT)  # a gate's bits, or an EC key (P's bits - EC_SHIFT)
-        kv = _bisect(key_T, prob_T, T, c, 0, lo, k_row, p_row, False, RESIDENT, BLOCK)
+        kv = _bisect(key_T, prob_T, T, c, 0, lo, k_row, False, RESIDENT, ROW, CHUNK)
         # every token at kv is kept (pv = -1), unless a tie straddles c_e: then rank the tokens at kv by P
-        if _count_from(key_T, prob_T, T, kv, 0, k_row, p_row, False, RESIDENT, BLOCK) > c:
-            pv = _bisect(key_T, prob_T, T, c, kv, 0, k_row, p_row, True, RESIDENT, BLOCK)
-            room = c - _count_from(key_T, prob_T, T, kv, pv + 1, k_row, p_row, True, RESIDENT, BLOCK)
+        if _count_from(key_T, prob_T, T, kv, 0, k_row, False, RESIDENT, ROW, CHUNK) > c:
+            pv = _bisect(key_T, prob_T, T, c, kv, 0, k_row, True, RESIDENT, ROW, CHUNK)
+            room = c - _count_from(key_T, prob_T, T, kv, pv + 1, k_row, True, RESIDENT, ROW, CHUNK)
     first = tl.load(expert_offsets_E1 + e)
     written = tl.zeros((), tl.int32)
     tied_seen = tl.zeros((), tl.int32)
-    for start in range(0, T, BLOCK):
-        t = start + tl.arange(0, BLOCK)
+    for start in range(0, T, CHUNK):
+        t = start + tl.arange(0, CHUNK)
         m = t < T
         k = tl.load(key_T + t, mask=m, other=0)
         p = tl.load(prob_T + t, mask=m, other=0)
@@ -249,11 +243,10 @@ def keep_rows(key_ET: Tensor, prob_ET: Tensor, counts_E: Tensor, idx_TK: Tensor,
                                 expert_offsets_E1, token_offsets_T1, T, E=E, TILE=tile, MODE=MODES[mode], BE=be,
                                 num_warps=4)
     if T:
-        resident = T <= _RESIDENT_T
-        block = max(16, triton.next_power_of_2(T)) if resident else _CHUNK
         launch(_keep_kernel, (E,))(key_ET, prob_ET, topk_counts_E, rounded_E, expert_offsets_E1, token_idx_R,
-                                   expert_idx_R, scores_R, pick_R, row_ET, T, RESIDENT=resident, BLOCK=block,
-                                   num_warps=_KEEP_WARPS if block >= 8192 else 8)
+                                   expert_idx_R, scores_R, pick_R, row_ET, T, RESIDENT=T <= _RESIDENT_T,
+                                   ROW=max(16, triton.next_power_of_2(min(T, _RESIDENT_T))),
+                                   CHUNK=min(_CHUNK, max(16, triton.next_power_of_2(T))), num_warps=16)
         launch(_chunk_counts_kernel, (nch,))(row_ET, chunk_counts, T, E=E, TB=tb, BE=be, num_warps=4)
     pad = max(16, triton.next_power_of_2(triton.cdiv(rows, max(nch, 1))))
     launch(_token_rows_kernel, (max(nch, 1),))(row_ET, chunk_counts, idx_TK, expert_offsets_E1, token_offsets_T1,
