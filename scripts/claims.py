@@ -351,6 +351,7 @@ E2E_1X_CONSTSCALE = "2026-11-25-1xh200-e2e-40L-constscale-1.json"
 E2E_1X_DIRECT = "2026-11-26-1xh200-e2e-40L.json"
 E2E_1X_DIRECT_AB = ("2026-11-26-1xh200-e2e-40L-ab-cd4c642.json", "2026-11-26-1xh200-e2e-40L-ab-bdae4e5.json")
 E2E_1X_TR_GRAM = "2026-11-26-1xh200-e2e-40L-tr.json"
+E2E_1X_TR_ROUTE = "2026-11-26-1xh200-e2e-40L-tr-7ff3caa.json"
 E2E_1X_EXACTGRAD = "2026-11-25-1xh200-e2e-40L-exactgrad-2.json"
 CENTRING_GRAD = {"exact": "bench/results/2026-11-25-h200-centring-exactgrad.json",
                  "constant": "bench/results/2026-11-25-h200-centring-constscale.json"}
@@ -484,7 +485,9 @@ TABLES = (
                   "first)", E2E_1X_DIRECT_AB[0], "cute_40L"),
               e2e("cute at `bdae4e5` again (the same call, second)", E2E_1X_DIRECT_AB[1], "cute_40L"),
               e2e("cute at `406e0d3` (the Gram centring kernel; another machine, first)", E2E_1X_TR_GRAM, "cute_40L"),
-              e2e("the same job with `routing=token_rounding` (second)", E2E_1X_TR_GRAM, "cute_tr_40L"))),
+              e2e("the same job with `routing=token_rounding` (second)", E2E_1X_TR_GRAM, "cute_tr_40L"),
+              e2e("cute at `7ff3caa` (token rounding routed in one op; first)", E2E_1X_TR_ROUTE, "cute_40L"),
+              e2e("the same job with `routing=token_rounding` (second)", E2E_1X_TR_ROUTE, "cute_tr_40L"))),
     Table("peer_titan", first="model", columns=(
         Field("step ms, median", "step_ms"), Field("step ms, best", "step_ms_best"),
         Field("k tokens/s", "tokens_per_s", 1e-3), Ratio("× torchtitan, tokens/s", "tokens_per_s", "tokens_per_s",
