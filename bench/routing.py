@@ -119,7 +119,6 @@ def select_tiles_sweep(name: str, T: int, E: int, K: int, spec: str, calls: int,
     want = None
     runs: dict[str, list[float]] = {c: [] for c in configs}
     same: dict[str, bool] = {}
-    cuda = device.type == "cuda"
     for _ in range(3):
         for label, cfg in configs.items():
             # a benchmark-only substitution of the module's tiles, undone after each config
@@ -132,9 +131,8 @@ def select_tiles_sweep(name: str, T: int, E: int, K: int, spec: str, calls: int,
                 ok = all(torch.equal(a, b) if not a.is_floating_point() else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
                          for a, b in zip(out, want))
                 same[label] = same.get(label, True) and ok
-                _, prof = profiled(lambda: [fused._route_impl(logits, bias, K, "softmax_topk", True)
-                                            for _ in range(calls)], cuda)
-            runs[label].append(1e3 * sum(ms for _, ms, _ in kernel_times(prof, cuda)) / calls)
+                us = kernel_us(lambda: fused._route_impl(logits, bias, K, "softmax_topk", True), calls, device)
+            runs[label].append(us["us_per_call"])
     rows = {label: {"config": configs[label], "us_per_call": statistics.median(us), "rounds_us": us,
                     "plan_equal": same[label]} for label, us in runs.items()}
     print(table([[name, label, f"{r['us_per_call']:.1f}", r["plan_equal"]] for label, r in rows.items()],

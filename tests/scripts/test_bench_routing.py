@@ -40,3 +40,20 @@ def test_select_tiles_sweep_checks_and_records_each_config(tmp_path):
     assert sweep["configs"]["32,1,2"]["config"]["BT"] == 32 and sweep["configs"]["32,1,2"]["config"]["SUB"] == 1
     for row in sweep["configs"].values():
         assert row["plan_equal"] is True and len(row["rounds_us"]) == 3 and row["us_per_call"] >= 0
+
+
+def test_profile_records_each_routes_kernels(tmp_path):
+    """--profile adds, per backend and method, the route's kernels per call for the forward and the
+    forward+backward (CPU ops' self time off a GPU), their total the sum of the listed kernels."""
+    out = tmp_path / "routing.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.routing", "--shape", "64,16,4", "--backends", "torch",
+                           "--profile", "--profile-calls", "2", "--json", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = json.loads(out.read_text())["records"]
+    assert {r["method"] for r in records} == {"topk", "token_rounding"}
+    for rec in records:
+        for phase in ("fwd", "fb"):
+            k = rec["kernels"][phase]
+            assert k["top"] and k["us_per_call"] > 0
+            assert abs(k["us_per_call"] - sum(us for _, us, _ in k["top"])) < 1e-6 * k["us_per_call"]
