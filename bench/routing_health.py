@@ -48,6 +48,14 @@ a Hydra override, as for train.py. No evaluation, no checkpoint, a fresh start. 
   sequence's statistics do not drift, so a u_mean_share well above it is made by the per-token rescale, which
   shrinks the large tokens and grows the small ones).
 
+`--final-batches N` (0: off): after training, N more batches of the training stream (the ones the run would
+have taken next, each a step's train.grad_accum micro-batches) go through the trained model, forward only (no
+grad, train mode: routed as training routes them, expert bias included; nothing in the model changes). Per
+layer: each batch's max/mean (`per_batch_max_over_mean`, as the trainer logs it), the counts of all N batches
+summed (`pooled_max_over_mean`) and each sequence's own max/mean, averaged over the sequences
+(`seq_max_over_mean`). It separates the router's imbalance from one batch's topical mix: a router that favours
+some experts stays imbalanced pooled over many batches; a mix that differs from batch to batch evens out there.
+
 `--freeze attn.o_proj.weight` (diagnosis only) keeps those parameters at their initial values (zero:
 attention then adds nothing to the residual stream).
 
@@ -75,6 +83,7 @@ from sonic.routing.losses import picks_per_sequence
 from sonic.routing.scores import EPS, prefix_centre
 from sonic.train import trainer
 from sonic.train.config import Config
+from sonic.train.metrics import expert_load
 
 # A fresh run with nothing but training and its log; overrides given on the command line come later and win.
 DEFAULTS = ["train.eval_every=0", "train.save_every=0", "train.lm_eval_every=0", "train.resume=none",
@@ -264,6 +273,88 @@ class DiagnosticsHook:
         self.records.append({"step": step + 1, "seconds": seconds, "layers": layers})
 
 
+def _max_over_mean(counts_XE: torch.Tensor) -> torch.Tensor:
+    """Max/mean load over the last dim, as the trainer's `expert_load` defines it (sonic/train/metrics.py)."""
+    counts = counts_XE.float()
+    return counts.amax(-1) / counts.mean(-1).clamp_min(1e-9)
+
+
+def routed_per_sequence(routed, seq_len: int) -> torch.Tensor:
+    """(B, E) int64: the routed rows of each sequence per expert, read off the layer's plan (so under any routing
+    method the rows the trainer's `counts_E` counts; padding rows, expert E, left out). Sums over B to counts_E."""
+    plan = routed.plan
+    E = plan.num_experts
+    B = plan.num_tokens // seq_len
+    expert_R = plan.expert_idx_R.long()
+    live_R = expert_R < E
+    flat_R = torch.where(live_R, plan.token_idx_R.long() // seq_len * E + expert_R, 0)
+    counts = torch.zeros(B * E, dtype=torch.int64, device=expert_R.device)
+    return counts.scatter_add_(0, flat_R, live_R.long()).view(B, E)
+
+
+@torch.no_grad()
+def final_batches(model, train_loader, cfg: Config, n: int) -> dict:
+    """Route `n` more batches of `train_loader` (the trainer's own loader, after training: the batches it would
+    have drawn next; a batch is a step's train.grad_accum micro-batches, its counts summed as the trainer's log
+    sums them) through `model`, forward only: each batch's, the pooled and the per-sequence max/mean per layer.
+
+    Train mode, not eval: routing.method=token_rounding rounds the counts only in training (eval routes plain
+    top-K), and the trainer logs the rounded rows. Training's forward changes nothing that the trainer does not
+    change itself (the expert bias moves in trainer._update_expert_bias, after the optimizer step), except token
+    rounding's balance buffers and, under rounding_mode=stochastic, the RNG: every buffer is restored after and
+    the RNG forked, so the model leaves as it came. No grad: no parameter, gradient or optimizer state moves."""
+    device = next(model.parameters()).device
+    accum, S = cfg.train.grad_accum, cfg.train.seq_len
+    skipped = train_loader.consumed
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    was_training = model.training
+    per_batch, seq_ratios, losses = [], [], []
+    model.train()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for _ in range(n):
+                counts_LE, loss = None, 0.0
+                for _micro in range(accum):
+                    batch = next(train_loader)
+                    with trainer.autocast_context(cfg, device):
+                        out = model(*trainer.model_inputs(batch, cfg, device))
+                    layer_LE = torch.stack([r.counts_E for r in out.routed]).long()
+                    seq_LBE = torch.stack([routed_per_sequence(r, S) for r in out.routed])
+                    if not torch.equal(seq_LBE.sum(1), layer_LE):
+                        raise AssertionError("the per-sequence routed rows do not sum to the layer's counts_E")
+                    seq_ratios.append(_max_over_mean(seq_LBE))  # (L, B)
+                    counts_LE = layer_LE if counts_LE is None else counts_LE + layer_LE
+                    loss += out.loss.float().item() / accum
+                per_batch.append(counts_LE)
+                losses.append(loss)
+    finally:
+        model.train(was_training)
+        for b, saved in buffers:
+            b.copy_(saved)
+    pooled_LE = torch.stack(per_batch).sum(0)
+    num_layers = pooled_LE.shape[0]
+
+    def ratios(counts_LE: torch.Tensor) -> list[float]:  # the trainer's own function, as it logs each step
+        loads = expert_load(counts_LE)
+        return [loads[f"expert_load_max/{i}"] for i in range(num_layers)]
+
+    per_batch_ratio = [ratios(c) for c in per_batch]
+    pooled = ratios(pooled_LE)
+    return {
+        "batches": n, "micro_batches_per_batch": accum, "skipped_micro_batches": skipped,
+        "tokens_per_batch": accum * cfg.train.micro_batch_size * S,
+        "per_batch_max_over_mean": per_batch_ratio,
+        "pooled_max_over_mean": pooled,
+        "seq_max_over_mean": torch.cat(seq_ratios, dim=1).mean(1).tolist(),
+        "per_batch_worst": [max(r) for r in per_batch_ratio],
+        "pooled_worst": max(pooled),
+        "layers_over_2x_pooled": sum(v > 2.0 for v in pooled),
+        "layers_over_2x_per_batch": [sum(v > 2.0 for v in r) for r in per_batch_ratio],
+        "per_batch_loss": losses,
+        "counts": [c.tolist() for c in per_batch],  # [batch][layer][expert]: routed rows
+    }
+
+
 def summarize(history: list[dict], diags: list[dict], num_layers: int, e_over_k: float) -> dict:
     """The issue's targets, read off the trainer's log."""
     loads = {h["step"]: [h[f"expert_load_max/{i}"] for i in range(num_layers)] for h in history}
@@ -310,11 +401,28 @@ def print_diagnostics(diags: list[dict]) -> None:
             print(f"{d['step']:5d} {row['layer']:5d} " + " ".join(f"{row[k]:12.4g}" for k in DIAG_FIELDS))
 
 
-def run(cfg: Config, diag_every: int, freeze: tuple[str, ...] = ()) -> tuple[list[dict], list[dict]]:
+def print_final_batches(final: dict | None) -> None:
+    if not final:
+        return
+    print(f"final batches: {final['batches']} after training, {final['tokens_per_batch']} tokens each; per layer, "
+          "max/mean of each batch (worst over batches), pooled over all, per sequence (mean over sequences)")
+    print(f"{'layer':>5} {'batch_mean':>10} {'batch_worst':>11} {'pooled':>7} {'seq':>7}")
+    per_batch = list(zip(*final["per_batch_max_over_mean"]))  # [layer][batch]
+    for i, (batches, pooled, seq) in enumerate(zip(per_batch, final["pooled_max_over_mean"],
+                                                   final["seq_max_over_mean"])):
+        print(f"{i:5d} {statistics.fmean(batches):10.2f} {max(batches):11.2f} {pooled:7.2f} {seq:7.2f}")
+    print(f"layers over 2x: pooled {final['layers_over_2x_pooled']}, per batch {final['layers_over_2x_per_batch']}; "
+          f"worst: pooled {final['pooled_worst']:.2f}, per batch {[round(v, 2) for v in final['per_batch_worst']]}")
+
+
+def run(cfg: Config, diag_every: int, freeze: tuple[str, ...] = (),
+        final: int = 0) -> tuple[list[dict], list[dict], dict | None]:
     """train(cfg) with the diagnostics hook on the model it builds, and the parameters whose names end
-    with one of `freeze` kept at their initial values; (trainer history, diagnostics)."""
+    with one of `freeze` kept at their initial values; then, when `final` > 0, `final_batches` of that model
+    on the next `final` batches of the trainer's own training loader; (trainer history, diagnostics, final)."""
     hook = DiagnosticsHook(diag_steps(cfg.train.steps, diag_every), cfg.train.grad_accum)
-    build = trainer.build_model
+    build, loaders = trainer.build_model, trainer.build_loaders
+    built: dict = {}
 
     def build_and_hook(*args, **kwargs):
         model = build(*args, **kwargs)
@@ -322,12 +430,22 @@ def run(cfg: Config, diag_every: int, freeze: tuple[str, ...] = ()) -> tuple[lis
         if freeze and not frozen:
             raise ValueError(f"--freeze {' '.join(freeze)}: no parameter name ends with it (e.g. attn.o_proj.weight)")
         if hook.steps:
-            model.register_forward_pre_hook(hook)
+            built["hook"] = model.register_forward_pre_hook(hook)
+        built["model"] = model
         return model
 
-    with mock.patch.object(trainer, "build_model", build_and_hook):
+    def build_and_keep_loaders(*args, **kwargs):
+        built["train_loader"], val_loader = loaders(*args, **kwargs)
+        return built["train_loader"], val_loader
+
+    with (mock.patch.object(trainer, "build_model", build_and_hook),
+          mock.patch.object(trainer, "build_loaders", build_and_keep_loaders)):
         history = trainer.train(cfg)
-    return history, hook.records
+    if not final:
+        return history, hook.records, None
+    if "hook" in built:
+        built["hook"].remove()  # the final batches are no training step
+    return history, hook.records, final_batches(built["model"], built["train_loader"], cfg, final)
 
 
 def main(argv=None) -> Path:
@@ -342,10 +460,17 @@ def main(argv=None) -> Path:
     ap.add_argument("--freeze", action="append", default=[], metavar="SUFFIX",
                     help="diagnosis only: keep the parameters whose names end with SUFFIX at their initial values "
                          "(e.g. attn.o_proj.weight: attention adds nothing to the residual stream); repeatable")
+    ap.add_argument("--final-batches", type=int, default=0, metavar="N",
+                    help="after training, route N more batches of the training stream through the trained model "
+                         "(forward only) and record each batch's, the pooled and the per-sequence max/mean load; "
+                         "0: off")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = ap.parse_args(argv)
     if args.diag_every < 0:
         raise ValueError(f"--diag-every {args.diag_every} must be >= 0 (0 turns diagnostics off)")
+    if args.final_batches < 0:
+        raise ValueError(f"--final-batches {args.final_batches} must be >= 0 (the number of batches to route after "
+                         "training; 0 turns it off)")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("bench.routing_health runs on one process (the issue's runs are one GPU); "
                          "run it without torchrun")
@@ -353,13 +478,14 @@ def main(argv=None) -> Path:
     with contextlib.ExitStack() as stack:
         run_dir = args.run_dir or stack.enter_context(tempfile.TemporaryDirectory())
         cfg = compose_config([*DEFAULTS, f"train.run_dir={run_dir}", *args.overrides])
-        history, diags = run(cfg, args.diag_every, tuple(args.freeze))
+        history, diags, final = run(cfg, args.diag_every, tuple(args.freeze), args.final_batches)
     moe = cfg.model.moe
     num_moe = cfg.model.num_layers - cfg.model.first_k_dense
     e_over_k = moe.num_experts / moe.top_k
     summary = summarize(history, diags, num_moe, e_over_k)
     print_table(history, num_moe, e_over_k)
     print_diagnostics(diags)
+    print_final_batches(final)
     steps = [{"step": h["step"], "lr": h["lr"], "loss": h["loss"], "aux_loss": h["aux_loss"], "z_loss": h["z_loss"],
               "grad_norm": h["grad_norm"], "tokens_per_s_per_gpu": h["tokens_per_s_per_gpu"],
               "max_over_mean": [h[f"expert_load_max/{i}"] for i in range(num_moe)],
@@ -368,7 +494,7 @@ def main(argv=None) -> Path:
     path = write_json(result_path(what, args.json), {
         "overrides": args.overrides, "frozen": args.freeze, "model": cfg.model.name, "num_layers": cfg.model.num_layers,
         "routing": vars(moe.routing), "micro_batch": [cfg.train.micro_batch_size, cfg.train.seq_len],
-        "summary": summary, "steps": steps, "diagnostics": diags})
+        "summary": summary, "steps": steps, "diagnostics": diags, "final_batches": final})
     for k, v in summary.items():
         print(f"{k:>40}: {v}")
     print(f"wrote {path}")

@@ -1,10 +1,12 @@
 """bench.routing_health on CPU with a tiny config: the real trainer's per-step, per-layer load curve
 and the router diagnostics reach the JSON, the diagnostics see each step's weights and expert bias,
-and they leave training unchanged."""
+and they leave training unchanged; --final-batches routes the batches after training's, pooled and per batch."""
 import json
 import math
+from unittest import mock
 
 import pytest
+import torch
 
 from bench import routing_health
 
@@ -104,3 +106,105 @@ def test_summary_reads_the_issue_targets():
     assert s["loss_at_last_step"] == 6.6
     # throughput: intervals after the first that hold no diagnostic step: (20, 30] and (30, 40]
     assert s["tokens_per_s_per_gpu"] == 1035.0 and s["tokens_per_s_per_gpu_intervals"] == 2
+
+
+def test_final_batches_route_the_next_batches_of_the_stream_after_training(tmp_path):
+    from sonic.data import build_loaders, build_tokenizer
+    from sonic.train import trainer
+
+    seen = []  # every micro-batch the trainer and then the final batches feed the model, in order
+    model_inputs = trainer.model_inputs
+
+    def spy(batch, cfg, device):
+        seen.append(batch["input_ids"].clone())
+        return model_inputs(batch, cfg, device)
+
+    with mock.patch.object(trainer, "model_inputs", spy):
+        result = run(tmp_path, "final", "--final-batches", "3", "--diag-every", "0")
+    final = result["final_batches"]
+    E, K, L, N, ACCUM = 8, 2, LAYERS, 3, 2
+    assert final["batches"] == N and final["micro_batches_per_batch"] == ACCUM
+    assert final["skipped_micro_batches"] == STEPS * ACCUM and final["tokens_per_batch"] == ACCUM * 2 * 32
+    # the batches: the stream's micro-batches right after training's 12, none of them one training saw
+    assert len(seen) == (STEPS + N) * ACCUM
+    cfg = routing_health.compose_config([*routing_health.DEFAULTS, *TINY])
+    loader, _ = build_loaders(cfg.data, tokenizer=build_tokenizer(cfg.data), seq_len=cfg.train.seq_len,
+                              micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed)
+    for got in seen:
+        assert torch.equal(got, next(loader)["input_ids"])
+    trained, after = seen[: STEPS * ACCUM], seen[STEPS * ACCUM:]
+    assert not any(torch.equal(a, t) for a in after for t in trained)
+    # the counts: per batch, layer and expert, every token's K rows; pooled = their sum
+    counts = final["counts"]
+    assert [len(c) for c in counts] == [L] * N and all(len(row) == E for c in counts for row in c)
+    assert all(sum(row) == final["tokens_per_batch"] * K for c in counts for row in c)
+
+    def ratio(row):
+        return max(row) / (sum(row) / len(row))
+
+    for c, got in zip(counts, final["per_batch_max_over_mean"]):
+        assert got == pytest.approx([ratio(row) for row in c], rel=1e-6)
+    pooled = [[sum(c[i][e] for c in counts) for e in range(E)] for i in range(L)]
+    assert final["pooled_max_over_mean"] == pytest.approx([ratio(row) for row in pooled], rel=1e-6)
+    assert final["pooled_max_over_mean"] != pytest.approx(final["per_batch_max_over_mean"][-1], rel=1e-6)
+    values = [*final["pooled_max_over_mean"], *final["seq_max_over_mean"],
+              *(v for r in final["per_batch_max_over_mean"] for v in r)]
+    assert len(final["seq_max_over_mean"]) == L and all(1 <= v <= E / K for v in values)
+    assert final["per_batch_worst"] == [max(r) for r in final["per_batch_max_over_mean"]]
+    assert final["pooled_worst"] == max(final["pooled_max_over_mean"])
+    assert final["layers_over_2x_pooled"] == sum(v > 2 for v in final["pooled_max_over_mean"])
+    assert final["layers_over_2x_per_batch"] == [sum(v > 2 for v in r) for r in final["per_batch_max_over_mean"]]
+    assert len(final["per_batch_loss"]) == N and all(math.isfinite(v) for v in final["per_batch_loss"])
+
+    plain = run(tmp_path, "no_final", "--diag-every", "0")  # the final batches come after training: it is the same
+    assert plain["final_batches"] is None
+    assert [s["loss"] for s in plain["steps"]] == [s["loss"] for s in result["steps"]]
+    assert [s["max_over_mean"] for s in plain["steps"]] == [s["max_over_mean"] for s in result["steps"]]
+    with pytest.raises(ValueError, match="--final-batches"):
+        run(tmp_path, "negative", "--final-batches", "-1")
+
+
+def test_final_batches_route_as_training_and_leave_the_model_as_it_was():
+    """Token rounding in balance mode: training's forward rounds the counts (eval would route plain top-K) and
+    writes the router's balance buffers; final_batches restores them, and its per-sequence rows sum to counts_E."""
+    from sonic.data import build_loaders, build_tokenizer
+    from sonic.models import Transformer
+
+    cfg = routing_health.compose_config([*TINY, "model.moe.routing.method=token_rounding",
+                                         "model.moe.routing.rounding_mode=balance", "model.moe.routing.tile_size=8",
+                                         "model.moe.routing.backend=torch"])
+    model = Transformer(cfg.model)
+    model.init_weights(0)
+    with torch.no_grad():  # a non-zero expert bias, which the selection must read and nothing may move
+        for i, router in enumerate(m for m in model.modules() if hasattr(m, "expert_bias_E")):
+            router.expert_bias_E.copy_(torch.linspace(-0.5, 0.5, 8) * (i + 1))
+            router.balance_pending_E.copy_(torch.arange(8) - 4)
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loader, _ = build_loaders(cfg.data, tokenizer=build_tokenizer(cfg.data), seq_len=cfg.train.seq_len,
+                              micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed)
+    final = routing_health.final_batches(model, loader, cfg, 2)
+    assert not model.training and loader.consumed == 2 * 2 and final["skipped_micro_batches"] == 0
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    rows = [sum(row) for c in final["counts"] for row in c]
+    assert all(r % 8 == 0 for r in rows)  # rounded to the tile: training's routing, not eval's plain top-K
+    assert rows != [final["tokens_per_batch"] * 2] * len(rows)
+
+
+def test_routed_per_sequence_counts_each_sequences_picks():
+    from sonic.routing import Router
+    from sonic.routing.config import RoutingConfig
+    from sonic.routing.losses import picks_per_sequence
+
+    router = Router(16, 8, 2, RoutingConfig(backend="torch"))
+    with torch.no_grad():
+        router.expert_bias_E.copy_(torch.linspace(-1, 1, 8))
+    x = torch.randn(3 * 10, 16, generator=torch.Generator().manual_seed(0))
+    routed = router(x, 10)
+    got = routing_health.routed_per_sequence(routed, 10)
+    picks = (router.logits(x, 10) + router.expert_bias_E).topk(2, dim=-1).indices
+    assert torch.equal(got, picks_per_sequence(picks, 10, 8, torch.int64))
+    assert torch.equal(got.sum(0), routed.counts_E.long()) and got.shape == (3, 8)
+    counts = torch.tensor([[1, 2, 3, 6], [0, 0, 0, 0]])
+    assert routing_health._max_over_mean(counts).tolist() == [2.0, 0.0]
