@@ -9,7 +9,7 @@ Routing backends:
 | triton | sonic/kernels/triton/routing.py: one fused kernel for the selection, its  |
 |        | gates and loss statistics (and one for its backward), a counting sort for |
 |        | the plan; token rounding's selection and plan in the same op (its keys    |
-|        | from the select kernel, then three kernels); no sort, no histogram over   |
+|        | from the select kernel, then four kernels); no sort, no histogram over    |
 |        | T x E, no host sync                                                       |
 | auto   | triton where it can run (a CUDA GPU with Triton), else torch              |
 

@@ -221,8 +221,8 @@ def _graph_slot(key: tuple) -> dict:
 
 
 class GraphedSelection:
-    """A selection captured once as a CUDA graph for one shape class. Its launches (dozens in the torch one, a
-    dozen in the triton one) cost the host more than the GPU time they take; a replay costs one launch.
+    """A selection captured once as a CUDA graph for one shape class. Its dozens of launches (the torch backend's on
+    CUDA) cost the host more than the GPU time they take; a replay costs one launch.
     Everything in it is sync-free and sized by shapes alone (the rows are padded to max_rows), so it can be
     captured; stochastic rounding's draw is captured from the default generator, which advances per replay."""
 
