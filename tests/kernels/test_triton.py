@@ -213,7 +213,7 @@ def _interpreter_main() -> None:
     The interpreter has no bf16 dot, so fp32 and fp16 are checked; small tiles (16 rows,
     32 columns, 16-deep K) give several tiles per expert, ragged tails and several K steps.
     """
-    from sonic.kernels.triton import experts, function, tuning
+    from sonic.kernels.triton import experts, function, gemm, tuning
     from tests.conftest import poisoned_empty
     from tests.helpers import patch_triton_interpreter
 
@@ -223,6 +223,10 @@ def _interpreter_main() -> None:
     small = tuning.Config(16, 32, 16, 4, 1)
     for k in tuning.CANDIDATES:
         tuning.CANDIDATES[k] = (small,)
+    tma_launches = []  # the shapes below take both varlen-M paths: TMA where 16 divides K, pointers elsewhere
+    tma_kernel = gemm.varlen_m_tma_kernel
+    gemm.varlen_m_tma_kernel = type("Counted", (), {"__getitem__": lambda self, grid: tma_launches.append(grid)
+                                                    or tma_kernel[grid]})()
     gen = torch.Generator().manual_seed(0)
     for T, D, N, E, K, bias, dtype in [(45, 80, 40, 4, 2, True, torch.float16), (33, 64, 48, 6, 6, False, torch.float32),
                                        (1, 64, 32, 3, 3, True, torch.float32)]:
@@ -243,6 +247,7 @@ def _interpreter_main() -> None:
                     assert torch.isfinite(got[name]).all(), (T, D, N, E, K, plan.num_rows, name)
                     err = rel_err(got[name], want)
                     assert err <= (2e-3 if dtype == torch.float16 else 1e-5), (T, D, N, E, K, name, err)
+    assert tma_launches, "no varlen-M product took the TMA kernel"
     print("interpreter ok")
 
 

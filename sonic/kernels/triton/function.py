@@ -10,9 +10,12 @@ tile configs, which depend on the shape class only (tuning.py).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from sonic.kernels import op
 from sonic.kernels.triton import gemm, tuning
@@ -79,9 +82,46 @@ def up_proj(x_TD, w1_EFD, b1_EF, token_idx_R, maps: _Maps, key) -> tuple[Tensor,
     return h_RF, a_RN
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """Programs of a persistent kernel: one per SM (a few under the CPU interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _tma_ok(*tensors: Tensor) -> bool:
+    """Whether TMA can load these row-major operands: sm_90 or later, 16-bit (the fp32 tiles would not fit shared
+    memory at the tuned sizes), 16-byte aligned base and rows. On the CPU the kernels run only under Triton's
+    interpreter, which runs the TMA kernels too (in every dtype), so the CPU tests cover both paths."""
+    dev = tensors[0].device
+    if dev.type == "cuda" and (torch.cuda.get_device_capability(dev)[0] < 9
+                               or tensors[0].dtype not in (torch.bfloat16, torch.float16)):
+        return False
+    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.stride(-2) * t.element_size() % 16 == 0
+               for t in tensors)
+
+
 def varlen_m(a_RK, b_EKN, stride_bk, stride_bn, N, bias_EN, maps: _Maps, kernel: str, key) -> Tensor:
     R, K = a_RK.shape
+    E = b_EKN.shape[0]
     out_RN = _alloc((R, N), a_RK.dtype, a_RK.device)
+    # B_e as TMA reads it: rows n (stride_bk == 1: W2 (E, D, N) for the down-projection) or rows k (W1 (E, F, D)
+    # for dX~), every expert's rows stacked
+    b_rows = b_EKN.reshape(E * N, K) if stride_bk == 1 else b_EKN.reshape(E * K, N)
+    if _tma_ok(a_RK, b_rows):
+        def run_tma(cfg: tuning.Config):
+            tm = maps(cfg.bm)
+            a_desc = TensorDescriptor.from_tensor(a_RK, [cfg.bm, cfg.bk])
+            b_desc = TensorDescriptor.from_tensor(b_rows, [cfg.bn, cfg.bk] if stride_bk == 1 else [cfg.bk, cfg.bn])
+            sms = _num_sms(a_RK.device)
+            gemm.varlen_m_tma_kernel[(sms,)](a_desc, b_desc, bias_EN if bias_EN is not None else b_EKN, out_RN,
+                                             *tm.args(maps.off), R, K, N, N if stride_bk == 1 else K,
+                                             HAS_BIAS=bias_EN is not None, B_NK=stride_bk == 1, NUM_SMS=sms,
+                                             **cfg.kwargs())
+
+        cfg = tuning.choose(kernel + "_tma", key, run_tma, lambda c: tuning.fit(c, N, K))
+        if K % cfg.bk == 0:
+            run_tma(cfg)
+            return out_RN
 
     def run(cfg: tuning.Config):
         tm = maps(cfg.bm)

@@ -7,7 +7,9 @@ return at once. Varlen-K kernels (dW1, dW2) are launched over E x output tiles a
 over their expert's rows read from expert_offsets_E1.
 
 Row indices are clamped to the expert's last row for the loads, so the K loops of the
-varlen-M kernels carry no row masks (tails are dropped at the store).
+varlen-M kernels carry no row masks (tails are dropped at the store). Where TMA can load both
+operands of a varlen-M product (Hopper, 16-bit, aligned, BK dividing K), a persistent kernel
+(`varlen_m_tma_kernel`) runs it instead.
 
 Legend: R routed rows, T tokens, D hidden, N expert width, F = 2N (gate/up interleaved),
 E experts; BM/BN/BK tile sizes.
@@ -152,6 +154,50 @@ def varlen_m_gemm_kernel(a_RK, b_EKN, bias_EN, out_RN,
             acc = tl.dot(a, b, acc)
             a_ptrs += BK
             b_ptrs += BK * stride_bk
+        if HAS_BIAS:
+            acc += tl.load(bias_EN + e * N + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
+        om = (rows < row_end)[:, None] & cm[None, :]
+        tl.store(out_RN + rows.to(tl.int64)[:, None] * N + cols[None, :],
+                 acc.to(out_RN.dtype.element_ty), mask=om)
+
+
+@triton.jit(do_not_specialize=["R"])
+def varlen_m_tma_kernel(a_desc, b_desc, bias_EN, out_RN,
+                        tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, R, K, N, B_ROWS,
+                        HAS_BIAS: tl.constexpr, B_NK: tl.constexpr, NUM_SMS: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """varlen_m_gemm_kernel's product with both operands loaded by TMA, persistent: NUM_SMS programs walk the
+    (row tile, column tile) pairs, and the tile loop is flattened into the K loop so that the next tile's loads
+    are in flight during this tile's epilogue. The down-projection's K is the expert width (4-8 steps of BK), so
+    its one-tile-per-program grid spent much of each tile outside the K loop.
+
+    A's tile [row0, row0 + BM) may run past the expert's last row into the next expert's rows (or past R, where
+    TMA fills zeros): those rows are computed and dropped at the store, as the pointer kernel's clamped rows are.
+    b_desc holds every expert's B_ROWS rows: B_NK, (E*N, K) with rows n (W2 as stored, the tile transposed for
+    the product); else (E*K, N) with rows k (W1 as stored). The launcher takes this path only when BK divides K,
+    so no K step reads into the next expert's rows of B.
+    """
+    NUM_N = tl.cdiv(N, BN)
+    num_tiles = tl.load(num_tiles_1) * NUM_N
+    k_steps = K // BK
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+        m_tile = tile // NUM_N
+        n_tile = tile % NUM_N
+        e = tl.load(tile_expert_M + m_tile)
+        row0 = tl.load(tile_row_M + m_tile)
+        row_end = tl.load(expert_offsets_E1 + e + 1)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ks in range(k_steps):
+            k = ks * BK
+            a = a_desc.load([row0, k])
+            if B_NK:
+                b = b_desc.load([e * B_ROWS + n_tile * BN, k]).T
+            else:
+                b = b_desc.load([e * B_ROWS + k, n_tile * BN])
+            acc = tl.dot(a, b, acc)
+        rows = row0 + tl.arange(0, BM)
+        cols = n_tile * BN + tl.arange(0, BN)
+        cm = cols < N
         if HAS_BIAS:
             acc += tl.load(bias_EN + e * N + cols, mask=cm, other=0.0).to(tl.float32)[None, :]
         om = (rows < row_end)[:, None] & cm[None, :]

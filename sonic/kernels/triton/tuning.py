@@ -37,6 +37,12 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
            Config(128, 128, 64, 4, 3)),
     "down": (Config(128, 256, 64, 8, 4), Config(256, 128, 64, 8, 3), Config(128, 128, 64, 8, 4),
              Config(128, 256, 32, 8, 4)),
+    # the same products through TMA, persistent (gemm.varlen_m_tma_kernel): 128 x 256 at 3 stages was the fastest
+    # of six at sonic_7b's, 30B's and 120B's shapes for both on an H200 (bench/results/2026-11-26-h200-triton-tma-varlen-m.json)
+    "down_tma": (Config(128, 256, 64, 8, 3), Config(128, 256, 64, 8, 4), Config(256, 128, 64, 8, 3),
+                 Config(128, 128, 64, 4, 4)),
+    "dxt_tma": (Config(128, 256, 64, 8, 3), Config(128, 256, 64, 8, 4), Config(256, 128, 64, 8, 3),
+                Config(128, 128, 64, 4, 4)),
     # dh computes its tile as two bn/2 halves (one epilogue at a time); bn >= 32
     "dh": (Config(128, 128, 64, 8, 4), Config(128, 128, 64, 8, 3), Config(64, 128, 64, 8, 4),
            Config(64, 64, 64, 4, 4)),
