@@ -38,7 +38,8 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
     "down": (Config(128, 256, 64, 8, 4), Config(256, 128, 64, 8, 3), Config(128, 128, 64, 8, 4),
              Config(128, 256, 32, 8, 4)),
     # the same products through TMA, persistent (gemm.varlen_m_tma_kernel): 128 x 256 at 3 stages was the fastest
-    # of six at sonic_7b's, 30B's and 120B's shapes for both on an H200 (bench/results/2026-11-26-h200-triton-tma-varlen-m.json)
+    # of six tried at sonic_7b's, 30B's and 120B's shapes on an H200, within 5% of it where not
+    # (`python -m bench.triton_gemm_ab`: bench/results/2026-11-26-h200-triton_gemm_ab.json)
     "down_tma": (Config(128, 256, 64, 8, 3), Config(128, 256, 64, 8, 4), Config(256, 128, 64, 8, 3),
                  Config(128, 128, 64, 4, 4)),
     "dxt_tma": (Config(128, 256, 64, 8, 3), Config(128, 256, 64, 8, 4), Config(256, 128, 64, 8, 3),
