@@ -1,11 +1,12 @@
-"""The triton backend's varlen-M products (the down-projection Y = A W2_e^T and dX~ = dH W1_e) by both of its
-kernels, per tile config: pointer loads, one tile per program (`varlen_m_gemm_kernel`), against TMA loads of both
-operands, persistent (`varlen_m_tma_kernel`, what `function.varlen_m` runs where TMA can load them).
+"""The triton backend's up-projection and varlen-M products (the down-projection Y = A W2_e^T and dX~ = dH W1_e) by
+both of their kernels, per tile config: pointer loads, one tile per program (`up_proj_kernel`,
+`varlen_m_gemm_kernel`), against the persistent kernels that load the weights (and the varlen-M products' contiguous
+A rows) by TMA (`up_proj_tma_kernel`, `varlen_m_tma_kernel`: what `function` runs where TMA can load them).
 
     python -m bench.triton_gemm_ab --configs 7B,30B,120B
 
 Each record: config, kernel, path, tile config, do_bench median ms and TFLOPS, and the max error against a torch
-product of the same bf16 operands (fp32 accumulation). Routing: a random top-K plan. Writes
+product of the same bf16 operands (fp32 accumulation; for the up-projection, of H). Routing: a random top-K plan. Writes
 bench/results/<date>-<device>-triton_gemm_ab.json.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main(argv=None):
     ap.add_argument("--shape", action="append", default=[], metavar="T,d,n,E,K", help="an extra shape")
     ap.add_argument("--tiles", default="128x256x64x8x3,128x256x64x8x4,256x128x64x8x3,128x128x64x4x4",
                     help="tile configs BMxBNxBKxWARPSxSTAGES, comma-separated")
+    ap.add_argument("--products", default="up,down,dxt", help="which products (default up,down,dxt)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1 (tests)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -63,11 +65,19 @@ def main(argv=None):
         w2 = (torch.randn(E, D, N, device=dev, generator=gen) * N ** -0.5).to(dtype)
         key = function._key(a, D, N, E)
         maps = function._Maps(plan.expert_offsets_E1, R)
-        products = {"down": (lambda: function.varlen_m(a, w2, 1, N, D, None, maps, "down", key),
+        x = torch.randn(T, D, device=dev, generator=gen).to(dtype)
+        tok = plan.token_idx_R.long()
+        products = {"up": (lambda: function.up_proj(x, w1, None, plan.token_idx_R, maps, key)[0],
+                           lambda e: x[tok[off[e]:off[e + 1]]].float() @ w1[e].float().T, 2 * R * 2 * N * D),
+                    "down": (lambda: function.varlen_m(a, w2, 1, N, D, None, maps, "down", key),
                              lambda e: a[off[e]:off[e + 1]].float() @ w2[e].float().T, 2 * R * N * D),
                     "dxt": (lambda: function.varlen_m(dh, w1, D, 1, D, None, maps, "dxt", key),
                             lambda e: dh[off[e]:off[e + 1]].float() @ w1[e].float(), 2 * R * 2 * N * D)}
-        for kernel, (run, ref_e, flops) in products.items():
+        unknown = set(args.products.split(",")) - set(products)
+        if unknown:
+            raise ValueError(f"--products {args.products}: unknown {sorted(unknown)}; choose from {sorted(products)}")
+        for kernel in args.products.split(","):
+            run, ref_e, flops = products[kernel]
             ref = torch.cat([ref_e(e) for e in range(E)])
             for cfg in tiles:
                 for tma in (False, True):

@@ -223,10 +223,11 @@ def _interpreter_main() -> None:
     small = tuning.Config(16, 32, 16, 4, 1)
     for k in tuning.CANDIDATES:
         tuning.CANDIDATES[k] = (small,)
-    tma_launches = []  # the shapes below take both varlen-M paths: TMA where 16 divides K, pointers elsewhere
-    tma_kernel = gemm.varlen_m_tma_kernel
-    gemm.varlen_m_tma_kernel = type("Counted", (), {"__getitem__": lambda self, grid: tma_launches.append(grid)
-                                                    or tma_kernel[grid]})()
+    tma_launches = {}  # the shapes below take both paths of the up-projection and the varlen-M products: TMA
+    for name in ("up_proj_tma_kernel", "varlen_m_tma_kernel"):  # where 16 divides K, pointers elsewhere
+        kernel = getattr(gemm, name)
+        setattr(gemm, name, type("Counted", (), {"__getitem__": lambda self, grid, name=name, kernel=kernel: (
+            tma_launches.__setitem__(name, tma_launches.get(name, 0) + 1), kernel[grid])[1]})())
     gen = torch.Generator().manual_seed(0)
     for T, D, N, E, K, bias, dtype in [(45, 80, 40, 4, 2, True, torch.float16), (33, 64, 48, 6, 6, False, torch.float32),
                                        (1, 64, 32, 3, 3, True, torch.float32)]:
@@ -247,7 +248,7 @@ def _interpreter_main() -> None:
                     assert torch.isfinite(got[name]).all(), (T, D, N, E, K, plan.num_rows, name)
                     err = rel_err(got[name], want)
                     assert err <= (2e-3 if dtype == torch.float16 else 1e-5), (T, D, N, E, K, name, err)
-    assert tma_launches, "no varlen-M product took the TMA kernel"
+    assert set(tma_launches) == {"up_proj_tma_kernel", "varlen_m_tma_kernel"}, tma_launches
     print("interpreter ok")
 
 

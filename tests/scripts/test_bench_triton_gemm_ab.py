@@ -1,5 +1,6 @@
-"""bench.triton_gemm_ab on CPU under Triton's interpreter: both varlen-M paths of the triton backend run for each
-product and tile config, and each matches the torch product of the same operands."""
+"""bench.triton_gemm_ab on CPU under Triton's interpreter: both paths (pointer, TMA) of the triton backend's
+up-projection and varlen-M products run for each tile config, and each matches the torch product of the same
+operands."""
 import json
 
 from tests.helpers import run_in_triton_interpreter
@@ -14,6 +15,6 @@ def test_both_paths_match_the_torch_product(tmp_path):
     run_in_triton_interpreter(call, "ab ok")
     records = json.loads(path.read_text())["records"]
     assert {(r["kernel"], r["path"], r["tile"]) for r in records} == {
-        (k, p, t) for k in ("down", "dxt") for p in ("pointer", "tma")
+        (k, p, t) for k in ("up", "down", "dxt") for p in ("pointer", "tma")
         for t in ("Config(bm=16, bn=32, bk=16, warps=4, stages=1)", "Config(bm=32, bn=32, bk=16, warps=4, stages=1)")}
     assert all(r["max_err"] < 1e-4 and r["ms"] is None for r in records), records

@@ -69,6 +69,21 @@ def up_proj(x_TD, w1_EFD, b1_EF, token_idx_R, maps: _Maps, key) -> tuple[Tensor,
     R, (E, F, D) = token_idx_R.numel(), w1_EFD.shape
     h_RF = _alloc((R, F), x_TD.dtype, x_TD.device)
     a_RN = _alloc((R, F // 2), x_TD.dtype, x_TD.device)
+    # W1's gate rows (even) and up rows (odd) as two (E*N, D) views that TMA reads
+    gate_up = w1_EFD.view(E * F // 2, 2, D).unbind(1)
+    if _tma_ok(*gate_up):
+        def run_tma(cfg: tuning.Config):
+            tm = maps(cfg.bm)
+            g_desc, u_desc = (TensorDescriptor.from_tensor(w, [cfg.bn // 2, cfg.bk]) for w in gate_up)
+            sms = _num_sms(x_TD.device)
+            gemm.up_proj_tma_kernel[(sms,)](x_TD, token_idx_R, g_desc, u_desc,
+                                            b1_EF if b1_EF is not None else w1_EFD, h_RF, a_RN, *tm.args(maps.off),
+                                            R, D, F, HAS_BIAS=b1_EF is not None, NUM_SMS=sms, **cfg.kwargs())
+
+        cfg = tuning.choose("up_tma", key, run_tma, lambda c: tuning.halves(tuning.fit(c, F, D)))
+        if D % cfg.bk == 0:
+            run_tma(cfg)
+            return h_RF, a_RN
 
     def run(cfg: tuning.Config):
         tm = maps(cfg.bm)

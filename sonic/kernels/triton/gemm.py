@@ -9,7 +9,8 @@ over their expert's rows read from expert_offsets_E1.
 Row indices are clamped to the expert's last row for the loads, so the K loops of the
 varlen-M kernels carry no row masks (tails are dropped at the store). Where TMA can load both
 operands of a varlen-M product (Hopper, 16-bit, aligned, BK dividing K), a persistent kernel
-(`varlen_m_tma_kernel`) runs it instead.
+(`varlen_m_tma_kernel`) runs it instead; likewise the up-projection loads W1 by TMA
+(`up_proj_tma_kernel`), its gathered X by pointers.
 
 Legend: R routed rows, T tokens, D hidden, N expert width, F = 2N (gate/up interleaved),
 E experts; BM/BN/BK tile sizes.
@@ -108,6 +109,58 @@ def up_proj_kernel(x_TD, token_idx_R, w1_EFD, b1_EF, h_RF, a_RN,
         rows64 = rows.to(tl.int64)
         rm = rows < row_end
         # H columns interleaved back (gate j, up j) so the store is contiguous
+        h = tl.reshape(tl.join(hg, hu), (BM, BN))
+        f = n_tile * BN + tl.arange(0, BN)
+        tl.store(h_RF + rows64[:, None] * F + f[None, :], h, mask=rm[:, None] & (f < F)[None, :])
+        gf = hg.to(tl.float32)
+        act = gf * tl.sigmoid(gf) * hu.to(tl.float32)
+        tl.store(a_RN + rows64[:, None] * N + j[None, :], act.to(a_RN.dtype.element_ty),
+                 mask=rm[:, None] & jm[None, :])
+
+
+@triton.jit(do_not_specialize=["R"])
+def up_proj_tma_kernel(x_TD, token_idx_R, g_desc, u_desc, b1_EF, h_RF, a_RN,
+                       tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, R, D, F,
+                       HAS_BIAS: tl.constexpr, NUM_SMS: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """up_proj_kernel with W1's gate and up rows loaded by TMA (g_desc, u_desc: every expert's even and odd rows of
+    W1, (E*N, D) each), persistent: NUM_SMS programs walk the (row tile, column tile) pairs. X stays a gather by
+    pointers (Hopper's TMA cannot gather rows). The tile loop is not flattened into the K loop here: with the
+    gathered loads in it, that ran slower than one tile at a time (the varlen-M kernels gain from it). The
+    launcher takes this path only when BK divides D; a tile's gate/up rows past the expert's N are dropped at the
+    store.
+    """
+    N = F // 2
+    HN: tl.constexpr = BN // 2
+    NUM_N = tl.cdiv(F, BN)
+    num_tiles = tl.load(num_tiles_1) * NUM_N
+    k_steps = D // BK
+    offs_k = tl.arange(0, BK)
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS):
+        m_tile = tile // NUM_N
+        n_tile = tile % NUM_N
+        e = tl.load(tile_expert_M + m_tile)
+        row0 = tl.load(tile_row_M + m_tile)
+        row_end = tl.load(expert_offsets_E1 + e + 1)
+        rows = row0 + tl.arange(0, BM)
+        tok = tl.load(token_idx_R + tl.minimum(rows, row_end - 1)).to(tl.int64)
+        w_row = e * N + n_tile * HN
+        acc_g = tl.zeros((BM, HN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, HN), dtype=tl.float32)
+        for ks in range(k_steps):
+            k = ks * BK
+            a = tl.load(x_TD + tok[:, None] * D + (k + offs_k)[None, :])
+            acc_g = tl.dot(a, g_desc.load([w_row, k]).T, acc_g)
+            acc_u = tl.dot(a, u_desc.load([w_row, k]).T, acc_u)
+        j = n_tile * HN + tl.arange(0, HN)  # SwiGLU output columns of this tile
+        jm = j < N
+        if HAS_BIAS:
+            acc_g += tl.load(b1_EF + e * F + 2 * j, mask=jm, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(b1_EF + e * F + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)[None, :]
+        hg = acc_g.to(h_RF.dtype.element_ty)
+        hu = acc_u.to(h_RF.dtype.element_ty)
+        rows64 = rows.to(tl.int64)
+        rm = rows < row_end
         h = tl.reshape(tl.join(hg, hu), (BM, BN))
         f = n_tile * BN + tl.arange(0, BN)
         tl.store(h_RF + rows64[:, None] * F + f[None, :], h, mask=rm[:, None] & (f < F)[None, :])

@@ -37,6 +37,11 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
            Config(128, 128, 64, 4, 3)),
     "down": (Config(128, 256, 64, 8, 4), Config(256, 128, 64, 8, 3), Config(128, 128, 64, 8, 4),
              Config(128, 256, 32, 8, 4)),
+    # W1 through TMA, persistent (gemm.up_proj_tma_kernel): 128 x 256 at 3 stages was the fastest of six tried at
+    # 30B's and 120B's shapes on an H200, 4 stages at sonic_7b's (`python -m bench.triton_gemm_ab --products up`:
+    # bench/results/2026-11-26-h200-triton_gemm_ab-up.json)
+    "up_tma": (Config(128, 256, 64, 8, 3), Config(128, 256, 64, 8, 4), Config(128, 128, 64, 8, 4),
+               Config(64, 256, 64, 4, 4)),
     # the same products through TMA, persistent (gemm.varlen_m_tma_kernel): 128 x 256 at 3 stages was the fastest
     # of six tried at sonic_7b's, 30B's and 120B's shapes on an H200, within 5% of it where not
     # (`python -m bench.triton_gemm_ab`: bench/results/2026-11-26-h200-triton_gemm_ab.json)
