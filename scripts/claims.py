@@ -623,6 +623,20 @@ TABLES = (
                 Row("aux loss 0.03",
                     "bench/results/2026-11-26-h200-routing_health-40L-topk-prefix-aux_loss_coef0.03.json")),
           columns=ROUTING_MEAN_LOSS_COLUMNS),
+    Table("routing_final", first="run", caption="Issue #30's 40-layer runs again (one H200, `data=local_bpe`, "
+          "`optim.warmup_steps=20`, 100 steps, triton, top-K, the preset), each then routing the next 16 batches of "
+          "its training stream through the trained model (`python -m bench.routing_health --final-batches 16`, "
+          "`ac27f0c`, one machine): the step-100 columns are one batch's, as before; the pooled columns sum the "
+          "16 batches' counts.",
+          rows=(Row("the preset", "bench/results/2026-11-26-h200-routing_health-40L-topk-final16.json"),
+                Row("sequence-wise balance loss 0.01",
+                    "bench/results/2026-11-26-h200-routing_health-40L-topk-seq_aux_loss_coef0.01-final16.json"),
+                Row("sequence-wise balance loss 0.03",
+                    "bench/results/2026-11-26-h200-routing_health-40L-topk-seq_aux_loss_coef0.03-final16.json")),
+          columns=(*ROUTING_MEAN_LOSS_COLUMNS[:5],
+                   Field("worst max/mean, 16 batches pooled", "final_batches.pooled_worst", digits=2),
+                   Field("layers over 2×, pooled", "final_batches.layers_over_2x_pooled", digits=0),
+                   ROUTING_MEAN_LOSS_COLUMNS[5])),
     Table("centring_grad", first="shape (T × D × E), gradient", caption="The router's prefix-centred logits alone "
           "(`python -m bench.centring`, one H200, one call: `f1f6e93`'s kernels, then `00fca7f`'s): the fused "
           "Triton path forward and backward, beside the plain linear router's, in ms per call (do_bench median); "
@@ -633,6 +647,19 @@ TABLES = (
           columns=(Field("fwd ms", "configs.0.fwd", digits=3), Field("bwd ms", "configs.0.bwd", digits=3),
                    Field("linear fwd ms", "linear_fwd", digits=3), Field("linear bwd ms", "linear_bwd", digits=3),
                    Field("error ×1e3", "configs.0.err", 1e3, digits=1))),
+    Table("block_h200_triton_tma", first="config, backend, commit", caption="The triton backend's block after its "
+          "TMA kernels (the down-projection and dX~ with both operands by TMA, persistent, `2837c0a`; the "
+          "up-projection's W1 by TMA too, `d4ef3ca`), interleaved with the official layer as above, seven rounds, "
+          "one H200 each (`bash bench/gpu.sh block` with `BLOCK_ARGS=\"--configs 30B,7B,120B --backends triton "
+          "--compile only --rounds 7\"`, the official layer's autotune cache carried in), beside the full table's "
+          "triton rows (`c9ddd54`, before them).",
+          rows=tuple(Row(f"{config}, triton+compile, {commit}", file, {"config": config, "backend": "triton+compile"})
+                     for config in ("7B", "30B", "120B")
+                     for commit, file in (("c9ddd54", "bench/results/2026-11-26-h200-moe_block.json"),
+                                          ("2837c0a", "bench/results/2026-11-26-h200-moe_block-triton-tma-2837c0a.json"),
+                                          ("d4ef3ca", "bench/results/2026-11-26-h200-moe_block-triton-tma.json"))
+                     if config == "30B" or commit != "2837c0a"),
+          columns=BLOCK_COLUMNS),
     Table("block_h200_all", first="config, backend", caption="All twelve Table 9b configs: the MoE block as "
           "`sonic_7b` builds it (router with its input centring and logit norm, routing, experts, combine; bf16 "
           "autocast, compiled as the trainer runs it) on both kernel backends, each interleaved with the official "
