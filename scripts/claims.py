@@ -487,7 +487,11 @@ TABLES = (
               e2e("cute at `406e0d3` (the Gram centring kernel; another machine, first)", E2E_1X_TR_GRAM, "cute_40L"),
               e2e("the same job with `routing=token_rounding` (second)", E2E_1X_TR_GRAM, "cute_tr_40L"),
               e2e("cute at `7ff3caa` (token rounding routed in one op; first)", E2E_1X_TR_ROUTE, "cute_40L"),
-              e2e("the same job with `routing=token_rounding` (second)", E2E_1X_TR_ROUTE, "cute_tr_40L"))),
+              e2e("the same job with `routing=token_rounding` (second)", E2E_1X_TR_ROUTE, "cute_tr_40L"),
+              e2e("triton at `d4ef3ca` (the TMA expert kernels; one call, first)",
+                  "2026-11-26-1xh200-e2e-40L-triton-d4ef3ca.json", "triton_40L"),
+              e2e("triton at `f8ef199` (the tree before them, from a git archive; the same call, second)",
+                  "2026-11-26-1xh200-e2e-40L-triton-f8ef199.json", "triton_40L"))),
     Table("peer_titan", first="model", columns=(
         Field("step ms, median", "step_ms"), Field("step ms, best", "step_ms_best"),
         Field("k tokens/s", "tokens_per_s", 1e-3), Ratio("× torchtitan, tokens/s", "tokens_per_s", "tokens_per_s",
