@@ -126,6 +126,12 @@ def _top_id_share(ids_T: torch.Tensor, vocab: int, n: int, weights_T: torch.Tens
     return counts.topk(min(n, vocab)).values.sum() / counts.sum().clamp_min(1)
 
 
+def _max_over_mean(counts_XE: torch.Tensor) -> torch.Tensor:
+    """Max/mean load over the last dim, as the trainer's `expert_load` defines it (sonic/train/metrics.py)."""
+    counts = counts_XE.float()
+    return counts.amax(-1) / counts.mean(-1).clamp_min(1e-9)
+
+
 def _ema_centred(x_BSD: torch.Tensor, window: int) -> torch.Tensor:
     """x_t minus the exponential moving average of x_s, s < t (weights a^(t-1-s), a = 1 - 1/window, normalised
     to sum 1, so position 1 subtracts x_0 as the prefix mean does; position 0 keeps x_0), at unit RMS. In fp64:
@@ -172,7 +178,7 @@ def _layer_stats(block, seen: dict, out_BSD: torch.Tensor, ids_T: torch.Tensor, 
     E = logits_TE.shape[1]
     picks_TK = (logits_TE + bias).topk(router.top_k, dim=-1).indices
     seq_counts_BE = picks_per_sequence(picks_TK, S, E, torch.float32)
-    seq_max_over_mean = (seq_counts_BE.amax(-1) / seq_counts_BE.mean(-1)).mean()
+    seq_max_over_mean = _max_over_mean(seq_counts_BE).mean()
     logit_seq_common = logits_TE.view(B, S, E).mean(1).std(-1, unbiased=False).mean()
     common_E = logits_TE.mean(0)
     centred_common_E = common_E - common_E.mean()
@@ -271,12 +277,6 @@ class DiagnosticsHook:
         sync()
         seconds = time.perf_counter() - start
         self.records.append({"step": step + 1, "seconds": seconds, "layers": layers})
-
-
-def _max_over_mean(counts_XE: torch.Tensor) -> torch.Tensor:
-    """Max/mean load over the last dim, as the trainer's `expert_load` defines it (sonic/train/metrics.py)."""
-    counts = counts_XE.float()
-    return counts.amax(-1) / counts.mean(-1).clamp_min(1e-9)
 
 
 def routed_per_sequence(routed, seq_len: int) -> torch.Tensor:
