@@ -1,13 +1,15 @@
-"""The triton backend's up-projection and varlen-M products (the down-projection Y = A W2_e^T and dX~ = dH W1_e) by
-both of their kernels, per tile config: pointer loads, one tile per program (`up_proj_kernel`,
-`varlen_m_gemm_kernel`), against the persistent kernels that load the weights (and the varlen-M products' contiguous
-A rows) by TMA (`up_proj_tma_kernel`, `varlen_m_tma_kernel`: what `function` runs where TMA can load them).
+"""The triton backend's expert products by both of their kernels, per tile config: pointer loads, one tile per
+program (`up_proj_kernel`, `varlen_m_gemm_kernel`, `dh_kernel`, `varlen_k_gemm_kernel`), against the kernels that load
+the operands TMA can reach by TMA (`up_proj_tma_kernel`, `varlen_m_tma_kernel`, `dh_tma_kernel`,
+`varlen_k_tma_kernel`: what `function` runs where TMA can load them).
 
-    python -m bench.triton_gemm_ab --configs 7B,30B,120B
+    python -m bench.triton_gemm_ab --configs 7B,30B,120B --products up,down,dxt,dh,dw1,dw2
 
+The products: the forward's up-projection (H, A) and down-projection Y = A W2_e^T; the backward's dH (dA' = dO W2_e
+and its dSwiGLU epilogue), dX~ = dH W1_e and the weight gradients dW2_e = dO[pi_e]^T A'_e and dW1_e = dH_e^T X[pi_e].
 Each record: config, kernel, path, tile config, do_bench median ms and TFLOPS, and the max error against a torch
-product of the same bf16 operands (fp32 accumulation; for the up-projection, of H). Routing: a random top-K plan. Writes
-bench/results/<date>-<device>-triton_gemm_ab.json.
+product of the same bf16 operands (fp32 accumulation; for the up-projection, of H; for dH, of dH after the
+dSwiGLU). Routing: a random top-K plan. Writes bench/results/<date>-<device>-triton_gemm_ab.json.
 """
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ from bench.common import result_path, write_json
 from bench.moe_configs import select_configs
 
 CONFIGS = "7B,30B,120B"
+PRODUCTS = "up,down,dxt,dh,dw1,dw2"
 
 
 @contextlib.contextmanager
 def forced(function, tuning, cfg, tma: bool):
-    """function.varlen_m with this tile config on this path (the TMA path only where it can run)."""
+    """function's launchers with this tile config on this path (the TMA path only where it can run)."""
     choose, ok = tuning.choose, function._tma_ok
     tuning.choose = lambda kernel, key, run, adjust=lambda c: c: adjust(cfg)
     if not tma:
@@ -39,18 +42,21 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default=CONFIGS, help=f"Table 9b config names (default {CONFIGS})")
     ap.add_argument("--shape", action="append", default=[], metavar="T,d,n,E,K", help="an extra shape")
-    ap.add_argument("--tiles", default="128x256x64x8x3,128x256x64x8x4,256x128x64x8x3,128x128x64x4x4",
-                    help="tile configs BMxBNxBKxWARPSxSTAGES, comma-separated")
-    ap.add_argument("--products", default="up,down,dxt", help="which products (default up,down,dxt)")
+    ap.add_argument("--tiles", default=None,
+                    help="tile configs BMxBNxBKxWARPSxSTAGES, comma-separated (default: each product's candidates in "
+                         "sonic/kernels/triton/tuning.py, of both paths)")
+    ap.add_argument("--products", default=PRODUCTS, help=f"which products (default {PRODUCTS})")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1 (tests)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from triton.testing import do_bench
 
+    from sonic.kernels.swiglu import dswiglu
     from sonic.kernels.triton import function, tuning
     from sonic.routing.plan import plan_from_topk
 
-    tiles = [tuning.Config(*(int(v) for v in t.split("x"))) for t in args.tiles.split(",")]
+    given = args.tiles and [tuning.Config(*(int(v) for v in t.split("x"))) for t in args.tiles.split(",")]
+    tuned = {"up": "up", "down": "down", "dxt": "dxt", "dh": "dh", "dw1": "dw", "dw2": "dw"}  # tuning's kernel names
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the interpreter has no bf16 dot
     records = []
@@ -66,19 +72,35 @@ def main(argv=None):
         key = function._key(a, D, N, E)
         maps = function._Maps(plan.expert_offsets_E1, R)
         x = torch.randn(T, D, device=dev, generator=gen).to(dtype)
-        tok = plan.token_idx_R.long()
+        dout = torch.randn(T, D, device=dev, generator=gen).to(dtype)
+        h = torch.randn(R, 2 * N, device=dev, generator=gen).to(dtype)
+        tok, s = plan.token_idx_R.long(), plan.scores_R
+        rows = lambda e: slice(off[e], off[e + 1])  # noqa: E731
+        by_row = lambda f: lambda: torch.cat([f(e) for e in range(E)])  # noqa: E731
+        by_expert = lambda f: lambda: torch.stack([f(e) for e in range(E)])  # noqa: E731
+        dap = by_row(lambda e: dout[tok[rows(e)]].float() @ w2[e].float())
+        # name: (the launcher, its product in torch, flops)
         products = {"up": (lambda: function.up_proj(x, w1, None, plan.token_idx_R, maps, key)[0],
-                           lambda e: x[tok[off[e]:off[e + 1]]].float() @ w1[e].float().T, 2 * R * 2 * N * D),
+                           by_row(lambda e: x[tok[rows(e)]].float() @ w1[e].float().T), 2 * R * 2 * N * D),
                     "down": (lambda: function.varlen_m(a, w2, 1, N, D, None, maps, "down", key),
-                             lambda e: a[off[e]:off[e + 1]].float() @ w2[e].float().T, 2 * R * N * D),
+                             by_row(lambda e: a[rows(e)].float() @ w2[e].float().T), 2 * R * N * D),
                     "dxt": (lambda: function.varlen_m(dh, w1, D, 1, D, None, maps, "dxt", key),
-                            lambda e: dh[off[e]:off[e + 1]].float() @ w1[e].float(), 2 * R * 2 * N * D)}
+                            by_row(lambda e: dh[rows(e)].float() @ w1[e].float()), 2 * R * 2 * N * D),
+                    "dh": (lambda: function.dh(dout, plan.token_idx_R, s, w2, None, h, maps, key)[0],
+                           lambda: dswiglu(s.float()[:, None] * dap(), h.float()), 2 * R * N * D),
+                    "dw1": (lambda: function.varlen_k(dh, None, x, plan.token_idx_R, plan.expert_offsets_E1, dtype,
+                                                      key=key)[0],
+                            by_expert(lambda e: dh[rows(e)].float().T @ x[tok[rows(e)]].float()), 2 * R * 2 * N * D),
+                    "dw2": (lambda: function.varlen_k(dout, plan.token_idx_R, a, None, plan.expert_offsets_E1, dtype,
+                                                      key=key)[0],
+                            by_expert(lambda e: dout[tok[rows(e)]].float().T @ a[rows(e)].float()), 2 * R * N * D)}
         unknown = set(args.products.split(",")) - set(products)
         if unknown:
             raise ValueError(f"--products {args.products}: unknown {sorted(unknown)}; choose from {sorted(products)}")
         for kernel in args.products.split(","):
-            run, ref_e, flops = products[kernel]
-            ref = torch.cat([ref_e(e) for e in range(E)])
+            run, product, flops = products[kernel]
+            ref = product()
+            tiles = given or dict.fromkeys(tuning.CANDIDATES[tuned[kernel]] + tuning.CANDIDATES[tuned[kernel] + "_tma"])
             for cfg in tiles:
                 for tma in (False, True):
                     with forced(function, tuning, cfg, tma):

@@ -223,14 +223,19 @@ def _interpreter_main() -> None:
     small = tuning.Config(16, 32, 16, 4, 1)
     for k in tuning.CANDIDATES:
         tuning.CANDIDATES[k] = (small,)
-    tma_launches = {}  # the shapes below take both paths of the up-projection and the varlen-M products: TMA
-    for name in ("up_proj_tma_kernel", "varlen_m_tma_kernel"):  # where 16 divides K, pointers elsewhere
+    # the shapes below take both paths of every product: TMA where 16 divides the reduction (varlen-M, dH) and the
+    # operand's rows are 16-byte aligned, pointers elsewhere (D 72: up and dH; N 40 and 36: down; 2N 72: dX~; the
+    # fp16 A' rows of N 36, 72 bytes: dW2)
+    launches = {}
+    paths = ("up_proj_kernel", "up_proj_tma_kernel", "varlen_m_gemm_kernel", "varlen_m_tma_kernel", "dh_kernel",
+             "dh_tma_kernel", "varlen_k_gemm_kernel", "varlen_k_tma_kernel")
+    for name in paths:
         kernel = getattr(gemm, name)
         setattr(gemm, name, type("Counted", (), {"__getitem__": lambda self, grid, name=name, kernel=kernel: (
-            tma_launches.__setitem__(name, tma_launches.get(name, 0) + 1), kernel[grid])[1]})())
+            launches.__setitem__(name, launches.get(name, 0) + 1), kernel[grid])[1]})())
     gen = torch.Generator().manual_seed(0)
     for T, D, N, E, K, bias, dtype in [(45, 80, 40, 4, 2, True, torch.float16), (33, 64, 48, 6, 6, False, torch.float32),
-                                       (1, 64, 32, 3, 3, True, torch.float32)]:
+                                       (1, 64, 32, 3, 3, True, torch.float32), (20, 72, 36, 5, 2, True, torch.float16)]:
         x = torch.randn(T, D, generator=gen).to(dtype)
         w1, w2 = (torch.randn(E, 2 * N, D, generator=gen) * D ** -0.5).to(dtype), (torch.randn(E, D, N, generator=gen) * N ** -0.5).to(dtype)
         b1, b2 = ((torch.randn(E, 2 * N, generator=gen) * 0.1).to(dtype), (torch.randn(E, D, generator=gen) * 0.1).to(dtype)) if bias else (None, None)
@@ -248,7 +253,7 @@ def _interpreter_main() -> None:
                     assert torch.isfinite(got[name]).all(), (T, D, N, E, K, plan.num_rows, name)
                     err = rel_err(got[name], want)
                     assert err <= (2e-3 if dtype == torch.float16 else 1e-5), (T, D, N, E, K, name, err)
-    assert set(tma_launches) == {"up_proj_tma_kernel", "varlen_m_tma_kernel"}, tma_launches
+    assert set(launches) == set(paths), launches
     print("interpreter ok")
 
 

@@ -1,6 +1,5 @@
-"""bench.triton_gemm_ab on CPU under Triton's interpreter: both paths (pointer, TMA) of the triton backend's
-up-projection and varlen-M products run for each tile config, and each matches the torch product of the same
-operands."""
+"""bench.triton_gemm_ab on CPU under Triton's interpreter: both paths (pointer, TMA) of each of the triton backend's
+expert products run for each tile config, and each matches the torch product of the same operands."""
 import json
 
 from tests.helpers import run_in_triton_interpreter
@@ -15,6 +14,6 @@ def test_both_paths_match_the_torch_product(tmp_path):
     run_in_triton_interpreter(call, "ab ok")
     records = json.loads(path.read_text())["records"]
     assert {(r["kernel"], r["path"], r["tile"]) for r in records} == {
-        (k, p, t) for k in ("up", "down", "dxt") for p in ("pointer", "tma")
+        (k, p, t) for k in ("up", "down", "dxt", "dh", "dw1", "dw2") for p in ("pointer", "tma")
         for t in ("Config(bm=16, bn=32, bk=16, warps=4, stages=1)", "Config(bm=32, bn=32, bk=16, warps=4, stages=1)")}
     assert all(r["max_err"] < 1e-4 and r["ms"] is None for r in records), records

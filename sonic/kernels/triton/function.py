@@ -156,20 +156,35 @@ def dh(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF, maps: _Maps, key):
     dh_RF = _alloc((R, 2 * N), h_RF.dtype, h_RF.device)
     aprime_RN = _alloc((R, N), h_RF.dtype, h_RF.device)
     result = {}
+    bias = b2_ED if b2_ED is not None else w2_EDN
+    w2_rows = w2_EDN.view(E * D, N)  # rows d of every expert: B[k, n] of dA' = dO W2_e
+
+    def run_tma(cfg: tuning.Config):
+        tm = maps(cfg.bm)
+        num_n = triton.cdiv(N, cfg.bn)
+        result["ds_part"] = ds_part_JR = _alloc((num_n, R), torch.float32, h_RF.device)
+        w2_desc = TensorDescriptor.from_tensor(w2_rows, [cfg.bk, cfg.bn // 2])
+        sms = _num_sms(h_RF.device)
+        gemm.dh_tma_kernel[(sms,)](dout_TD, token_idx_R, scores_R, w2_desc, bias, h_RF, dh_RF, aprime_RN,
+                                   ds_part_JR, *tm.args(maps.off), R, D, N, HAS_BIAS=b2_ED is not None,
+                                   NUM_SMS=sms, **cfg.kwargs())
 
     def run(cfg: tuning.Config):
         tm = maps(cfg.bm)
         num_n = triton.cdiv(N, cfg.bn)
-        ds_part_JR = _alloc((num_n, R), torch.float32, h_RF.device)
+        result["ds_part"] = ds_part_JR = _alloc((num_n, R), torch.float32, h_RF.device)
         gemm.dh_kernel[(tm.max_tiles * num_n,)](
-            dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED if b2_ED is not None else w2_EDN, h_RF,
+            dout_TD, token_idx_R, scores_R, w2_EDN, bias, h_RF,
             dh_RF, aprime_RN, ds_part_JR, *tm.args(maps.off), R, D, N,
             HAS_BIAS=b2_ED is not None, EVEN_K=D % cfg.bk == 0, EVEN_N=N % cfg.bn == 0,
             **cfg.kwargs())
-        result["ds_part"] = ds_part_JR
 
-    cfg = tuning.choose("dh", key, run, lambda c: tuning.halves(tuning.fit(c, N, D)))
-    run(cfg)
+    adjust = lambda c: tuning.halves(tuning.fit(c, N, D))  # noqa: E731
+    cfg = tuning.choose("dh_tma", key, run_tma, adjust) if _tma_ok(w2_rows) else None
+    if cfg is not None and D % cfg.bk == 0:
+        run_tma(cfg)
+    else:
+        run(tuning.choose("dh", key, run, adjust))
     ds_R = result["ds_part"].sum(0)  # fixed-order sum over column tiles: deterministic
     return dh_RF, aprime_RN, ds_R
 
@@ -182,21 +197,29 @@ def varlen_k(p_XI, p_idx_R, q_YJ, q_idx_R, expert_offsets_E1, out_dtype, weight_
     out_EIJ = _alloc((E, I, J), out_dtype, p_XI.device)
     bias_EI = _alloc((E, I), out_dtype, p_XI.device) if bias_grad else None
 
+    contiguous = [t for t, idx in ((p_XI, p_idx_R), (q_YJ, q_idx_R)) if idx is None]
+    tma = bool(contiguous) and _tma_ok(*contiguous)
+
     def run(cfg: tuning.Config):
         grid = (E * triton.cdiv(I, cfg.bm) * triton.cdiv(J, cfg.bn),)
-        gemm.varlen_k_gemm_kernel[grid](
-            p_XI, p_idx_R if p_idx_R is not None else expert_offsets_E1, q_YJ,
-            q_idx_R if q_idx_R is not None else expert_offsets_E1,
-            weight_R if weight_R is not None else p_XI, out_EIJ,
-            bias_EI if bias_EI is not None else out_EIJ, expert_offsets_E1, I, J,
-            EVEN_IJ=I % cfg.bm == 0 and J % cfg.bn == 0, GATHER_P=p_idx_R is not None, GATHER_Q=q_idx_R is not None, BIAS_GRAD=bias_grad,
-            WEIGHTED=weight_R is not None, **cfg.kwargs())
+        p, q = p_XI, q_YJ
+        if tma:  # the operands that are not gathered as TMA descriptors of (BK rows) x (the tile's columns)
+            p = p if p_idx_R is not None else TensorDescriptor.from_tensor(p_XI, [cfg.bk, cfg.bm])
+            q = q if q_idx_R is not None else TensorDescriptor.from_tensor(q_YJ, [cfg.bk, cfg.bn])
+        kernel = gemm.varlen_k_tma_kernel if tma else gemm.varlen_k_gemm_kernel
+        kernel[grid](p, p_idx_R if p_idx_R is not None else expert_offsets_E1, q,
+                     q_idx_R if q_idx_R is not None else expert_offsets_E1,
+                     weight_R if weight_R is not None else p_XI, out_EIJ,
+                     bias_EI if bias_EI is not None else out_EIJ, expert_offsets_E1, I, J,
+                     EVEN_IJ=I % cfg.bm == 0 and J % cfg.bn == 0, GATHER_P=p_idx_R is not None,
+                     GATHER_Q=q_idx_R is not None, BIAS_GRAD=bias_grad, WEIGHTED=weight_R is not None,
+                     **cfg.kwargs())
 
     def adjust(c: tuning.Config) -> tuning.Config:
         f = tuning.fit(c, J, 1 << 30)
         return tuning.Config(max(16, min(f.bm, triton.next_power_of_2(I))), f.bn, f.bk, f.warps, f.stages)
 
-    cfg = tuning.choose("dw", key + (I, J), run, adjust)
+    cfg = tuning.choose("dw_tma" if tma else "dw", key + (I, J), run, adjust)
     run(cfg)
     return out_EIJ, bias_EI
 

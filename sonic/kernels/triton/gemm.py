@@ -55,6 +55,30 @@ def _tile_lookup(tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, m_ti
     return valid, e, row0, row_end
 
 
+@triton.jit
+def _up_epilogue(acc_g, acc_u, e, n_tile, rows, row_end, b1_EF, h_RF, a_RN, F,
+                 HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Both up-projection kernels' stores of one (row tile, BN columns of H): H (+b1) and A = SwiGLU(H), with A
+    computed from H rounded to the output dtype, exactly as the reference does."""
+    N = F // 2
+    j = n_tile * (BN // 2) + tl.arange(0, BN // 2)  # SwiGLU output columns of this tile
+    jm = j < N
+    if HAS_BIAS:
+        acc_g += tl.load(b1_EF + e * F + 2 * j, mask=jm, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b1_EF + e * F + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)[None, :]
+    hg = acc_g.to(h_RF.dtype.element_ty)
+    hu = acc_u.to(h_RF.dtype.element_ty)
+    rows64 = rows.to(tl.int64)
+    rm = rows < row_end
+    # H columns interleaved back (gate j, up j) so the store is contiguous
+    h = tl.reshape(tl.join(hg, hu), (BM, BN))
+    f = n_tile * BN + tl.arange(0, BN)
+    tl.store(h_RF + rows64[:, None] * F + f[None, :], h, mask=rm[:, None] & (f < F)[None, :])
+    gf = hg.to(tl.float32)
+    act = gf * tl.sigmoid(gf) * hu.to(tl.float32)
+    tl.store(a_RN + rows64[:, None] * N + j[None, :], act.to(a_RN.dtype.element_ty), mask=rm[:, None] & jm[None, :])
+
+
 @triton.jit(do_not_specialize=["R"])
 def up_proj_kernel(x_TD, token_idx_R, w1_EFD, b1_EF, h_RF, a_RN,
                    tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, R, D, F,
@@ -101,21 +125,7 @@ def up_proj_kernel(x_TD, token_idx_R, w1_EFD, b1_EF, h_RF, a_RN,
             a_ptrs += BK
             g_ptrs += BK
             u_ptrs += BK
-        if HAS_BIAS:
-            acc_g += tl.load(b1_EF + e * F + 2 * j, mask=jm, other=0.0).to(tl.float32)[None, :]
-            acc_u += tl.load(b1_EF + e * F + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)[None, :]
-        hg = acc_g.to(h_RF.dtype.element_ty)
-        hu = acc_u.to(h_RF.dtype.element_ty)
-        rows64 = rows.to(tl.int64)
-        rm = rows < row_end
-        # H columns interleaved back (gate j, up j) so the store is contiguous
-        h = tl.reshape(tl.join(hg, hu), (BM, BN))
-        f = n_tile * BN + tl.arange(0, BN)
-        tl.store(h_RF + rows64[:, None] * F + f[None, :], h, mask=rm[:, None] & (f < F)[None, :])
-        gf = hg.to(tl.float32)
-        act = gf * tl.sigmoid(gf) * hu.to(tl.float32)
-        tl.store(a_RN + rows64[:, None] * N + j[None, :], act.to(a_RN.dtype.element_ty),
-                 mask=rm[:, None] & jm[None, :])
+        _up_epilogue(acc_g, acc_u, e, n_tile, rows, row_end, b1_EF, h_RF, a_RN, F, HAS_BIAS, BM, BN)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -152,22 +162,7 @@ def up_proj_tma_kernel(x_TD, token_idx_R, g_desc, u_desc, b1_EF, h_RF, a_RN,
             a = tl.load(x_TD + tok[:, None] * D + (k + offs_k)[None, :])
             acc_g = tl.dot(a, g_desc.load([w_row, k]).T, acc_g)
             acc_u = tl.dot(a, u_desc.load([w_row, k]).T, acc_u)
-        j = n_tile * HN + tl.arange(0, HN)  # SwiGLU output columns of this tile
-        jm = j < N
-        if HAS_BIAS:
-            acc_g += tl.load(b1_EF + e * F + 2 * j, mask=jm, other=0.0).to(tl.float32)[None, :]
-            acc_u += tl.load(b1_EF + e * F + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)[None, :]
-        hg = acc_g.to(h_RF.dtype.element_ty)
-        hu = acc_u.to(h_RF.dtype.element_ty)
-        rows64 = rows.to(tl.int64)
-        rm = rows < row_end
-        h = tl.reshape(tl.join(hg, hu), (BM, BN))
-        f = n_tile * BN + tl.arange(0, BN)
-        tl.store(h_RF + rows64[:, None] * F + f[None, :], h, mask=rm[:, None] & (f < F)[None, :])
-        gf = hg.to(tl.float32)
-        act = gf * tl.sigmoid(gf) * hu.to(tl.float32)
-        tl.store(a_RN + rows64[:, None] * N + j[None, :], act.to(a_RN.dtype.element_ty),
-                 mask=rm[:, None] & jm[None, :])
+        _up_epilogue(acc_g, acc_u, e, n_tile, rows, row_end, b1_EF, h_RF, a_RN, F, HAS_BIAS, BM, BN)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -285,6 +280,22 @@ def _dh_epilogue(acc, c0, rows64, rm, s, N, F, h_RF, dh_RF, aprime_RN,
     return ds
 
 
+@triton.jit
+def _dh_finish(acc1, acc2, dob2, n_tile, rows, rm, scores_R, h_RF, dh_RF, aprime_RN, ds_part_JR, R, N,
+               HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Both dH kernels' epilogue of one (row tile, BN columns of N), one half-width accumulator at a time: dH, A'
+    and this column tile's partial dS (+<dO, b2> in column tile 0)."""
+    HB: tl.constexpr = BN // 2
+    c0 = n_tile * BN
+    rows64 = rows.to(tl.int64)
+    s = tl.load(scores_R + rows, mask=rm, other=0.0).to(tl.float32)
+    ds = _dh_epilogue(acc1, c0, rows64, rm, s, N, 2 * N, h_RF, dh_RF, aprime_RN, BM, HB)
+    ds += _dh_epilogue(acc2, c0 + HB, rows64, rm, s, N, 2 * N, h_RF, dh_RF, aprime_RN, BM, HB)
+    if HAS_BIAS:
+        ds += tl.where(n_tile == 0, dob2, 0.0)
+    tl.store(ds_part_JR + n_tile.to(tl.int64) * R + rows64, ds, mask=rm)
+
+
 @triton.jit(do_not_specialize=["R"])
 def dh_kernel(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF,
               dh_RF, aprime_RN, ds_part_JR,
@@ -340,13 +351,49 @@ def dh_kernel(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF,
             a_ptrs += BK
             b1_ptrs += BK * N
             b2_ptrs += BK * N
-        rows64 = rows.to(tl.int64)
-        s = tl.load(scores_R + rows, mask=rm, other=0.0).to(tl.float32)
-        ds = _dh_epilogue(acc1, c0, rows64, rm, s, N, F, h_RF, dh_RF, aprime_RN, BM, HB)
-        ds += _dh_epilogue(acc2, c0 + HB, rows64, rm, s, N, F, h_RF, dh_RF, aprime_RN, BM, HB)
-        if HAS_BIAS:
-            ds += tl.where(n_tile == 0, dob2, 0.0)
-        tl.store(ds_part_JR + n_tile.to(tl.int64) * R + rows64, ds, mask=rm)
+        _dh_finish(acc1, acc2, dob2, n_tile, rows, rm, scores_R, h_RF, dh_RF, aprime_RN, ds_part_JR, R, N,
+                   HAS_BIAS, BM, BN)
+
+
+@triton.jit(do_not_specialize=["R"])
+def dh_tma_kernel(dout_TD, token_idx_R, scores_R, w2_desc, b2_ED, h_RF,
+                  dh_RF, aprime_RN, ds_part_JR,
+                  tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, R, D, N,
+                  HAS_BIAS: tl.constexpr, NUM_SMS: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """dh_kernel with W2 loaded by TMA (w2_desc: every expert's rows of W2, (E*D, N), BK x BN/2 boxes),
+    persistent: NUM_SMS programs walk the (row tile, column tile) pairs, so a program's next tile is issued as
+    soon as its epilogue is done. dO stays a gather by pointers. The launcher takes this path only when BK
+    divides D, so no K step reads the next expert's rows of W2; columns past N load as zeros.
+    """
+    HB: tl.constexpr = BN // 2
+    NUM_N = tl.cdiv(N, BN)
+    num_tiles = tl.load(num_tiles_1) * NUM_N
+    k_steps = D // BK
+    offs_k = tl.arange(0, BK)
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS):
+        m_tile = tile // NUM_N
+        n_tile = tile % NUM_N
+        e = tl.load(tile_expert_M + m_tile)
+        row0 = tl.load(tile_row_M + m_tile)
+        row_end = tl.load(expert_offsets_E1 + e + 1)
+        rows = row0 + tl.arange(0, BM)
+        rm = rows < row_end
+        tok = tl.load(token_idx_R + tl.minimum(rows, row_end - 1)).to(tl.int64)
+        c0 = n_tile * BN
+        acc1 = tl.zeros((BM, HB), dtype=tl.float32)
+        acc2 = tl.zeros((BM, HB), dtype=tl.float32)
+        dob2 = tl.zeros((BM,), dtype=tl.float32)
+        for ks in range(k_steps):
+            k = ks * BK
+            a = tl.load(dout_TD + tok[:, None] * D + (k + offs_k)[None, :])
+            acc1 = tl.dot(a, w2_desc.load([e * D + k, c0]), acc1)
+            acc2 = tl.dot(a, w2_desc.load([e * D + k, c0 + HB]), acc2)
+            if HAS_BIAS:
+                bias = tl.load(b2_ED + e * D + k + offs_k).to(tl.float32)
+                dob2 += tl.sum(a.to(tl.float32) * bias[None, :], axis=1)
+        _dh_finish(acc1, acc2, dob2, n_tile, rows, rm, scores_R, h_RF, dh_RF, aprime_RN, ds_part_JR, R, N,
+                   HAS_BIAS, BM, BN)
 
 
 @triton.jit
@@ -406,6 +453,81 @@ def varlen_k_gemm_kernel(p_XI, p_idx_R, q_YJ, q_idx_R, weight_R, out_EIJ, bias_g
              acc.to(out_EIJ.dtype.element_ty), mask=im[:, None] & jm[None, :])
     if BIAS_GRAD:
         if j_tile == 0:
+            tl.store(bias_grad_EI + e * I + offs_i, bacc.to(bias_grad_EI.dtype.element_ty), mask=im)
+
+
+@triton.jit
+def _varlen_k_step(p, p_idx_R, q, q_idx_R, weight_R, acc, bacc, r0, hi, i0, j0, I, J,
+                   TAIL: tl.constexpr, EVEN_IJ: tl.constexpr, GATHER_P: tl.constexpr, GATHER_Q: tl.constexpr,
+                   BIAS_GRAD: tl.constexpr, WEIGHTED: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One BK-row step of varlen_k_tma_kernel: P rows [r0, r0 + BK) x columns [i0, i0 + BM), Q's x [j0, j0 + BN).
+    A gathered operand is a pointer load through its index; a contiguous one is a TMA box, which past the expert's
+    last row reads the next expert's rows (zeros past R): in the TAIL step those rows are zeroed, so the product
+    and the bias sums are the pointer kernel's exactly."""
+    rows = r0 + tl.arange(0, BK)
+    rm = rows < hi
+    offs_i = i0 + tl.arange(0, BM)
+    offs_j = j0 + tl.arange(0, BN)
+    if GATHER_P:
+        prow = tl.load(p_idx_R + rows, mask=rm, other=0).to(tl.int64)
+        pm = rm[:, None] if EVEN_IJ else rm[:, None] & (offs_i < I)[None, :]
+        pt = tl.load(p + prow[:, None] * I + offs_i[None, :], mask=pm, other=0.0)
+    else:
+        pt = p.load([r0, i0])
+        if TAIL:
+            pt = tl.where(rm[:, None], pt, 0.0)
+    if GATHER_Q:
+        qrow = tl.load(q_idx_R + rows, mask=rm, other=0).to(tl.int64)
+        qm = rm[:, None] if EVEN_IJ else rm[:, None] & (offs_j < J)[None, :]
+        qt = tl.load(q + qrow[:, None] * J + offs_j[None, :], mask=qm, other=0.0)
+    else:
+        qt = q.load([r0, j0])
+        if TAIL:
+            qt = tl.where(rm[:, None], qt, 0.0)
+    acc = tl.dot(tl.trans(pt), qt, acc)
+    if BIAS_GRAD:  # (weighted) column sums of P: the bias gradient
+        pf = pt.to(tl.float32)
+        if WEIGHTED:
+            pf = pf * tl.load(weight_R + rows, mask=rm, other=0.0).to(tl.float32)[:, None]
+        bacc += tl.sum(pf, axis=0)
+    return acc, bacc
+
+
+@triton.jit
+def varlen_k_tma_kernel(p, p_idx_R, q, q_idx_R, weight_R, out_EIJ, bias_grad_EI,
+                        expert_offsets_E1, I, J, EVEN_IJ: tl.constexpr, GATHER_P: tl.constexpr,
+                        GATHER_Q: tl.constexpr, BIAS_GRAD: tl.constexpr, WEIGHTED: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """varlen_k_gemm_kernel's product with its contiguous operand loaded by TMA: p and q are (R, I) / (R, J)
+    descriptors with BK x BM / BK x BN boxes where not gathered, else the (T, I) / (T, J) tensors read through
+    p_idx_R / q_idx_R (dW2: dO gathered, A' by TMA; dW1: dH by TMA, X gathered). The full BK-row steps carry no
+    row masks; the expert's last partial step is the TAIL step."""
+    NUM_I = tl.cdiv(I, BM)
+    NUM_J = tl.cdiv(J, BN)
+    pid = tl.program_id(0)
+    e = pid // (NUM_I * NUM_J)
+    rem = pid % (NUM_I * NUM_J)
+    i0 = (rem // NUM_J) * BM
+    j0 = (rem % NUM_J) * BN
+    lo = tl.load(expert_offsets_E1 + e)
+    hi = tl.load(expert_offsets_E1 + e + 1)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    bacc = tl.zeros((BM,), dtype=tl.float32)
+    full = (hi - lo) // BK
+    for s in range(full):
+        acc, bacc = _varlen_k_step(p, p_idx_R, q, q_idx_R, weight_R, acc, bacc, lo + s * BK, hi, i0, j0, I, J,
+                                   False, EVEN_IJ, GATHER_P, GATHER_Q, BIAS_GRAD, WEIGHTED, BM, BN, BK)
+    if lo + full * BK < hi:
+        acc, bacc = _varlen_k_step(p, p_idx_R, q, q_idx_R, weight_R, acc, bacc, lo + full * BK, hi, i0, j0, I, J,
+                                   True, EVEN_IJ, GATHER_P, GATHER_Q, BIAS_GRAD, WEIGHTED, BM, BN, BK)
+    offs_i = i0 + tl.arange(0, BM)
+    offs_j = j0 + tl.arange(0, BN)
+    im = offs_i < I
+    tl.store(out_EIJ + e.to(tl.int64) * I * J + offs_i[:, None] * J + offs_j[None, :],
+             acc.to(out_EIJ.dtype.element_ty), mask=im[:, None] & (offs_j < J)[None, :])
+    if BIAS_GRAD:
+        if j0 == 0:
             tl.store(bias_grad_EI + e * I + offs_i, bacc.to(bias_grad_EI.dtype.element_ty), mask=im)
 
 

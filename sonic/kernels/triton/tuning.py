@@ -42,12 +42,13 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
     # bench/results/2026-11-26-h200-triton_gemm_ab-up.json)
     "up_tma": (Config(128, 256, 64, 8, 3), Config(128, 256, 64, 8, 4), Config(128, 128, 64, 8, 4),
                Config(64, 256, 64, 4, 4)),
-    # the same products through TMA, persistent (gemm.varlen_m_tma_kernel): 128 x 256 at 3 stages was the fastest
-    # of six tried at sonic_7b's, 30B's and 120B's shapes on an H200, within 5% of it where not
-    # (`python -m bench.triton_gemm_ab`: bench/results/2026-11-26-h200-triton_gemm_ab.json)
+    # the same products through TMA, persistent (gemm.varlen_m_tma_kernel), four tiles timed at sonic_7b's, 30B's
+    # and 120B's shapes on an H200 (`python -m bench.triton_gemm_ab`: bench/results/2026-11-26-h200-triton_gemm_ab.json):
+    # 128 x 256 was the fastest for both; 3 stages for the down-projection at 30B (4 was within 5% elsewhere), 4 for
+    # dX~ at all three (by 1-9%)
     "down_tma": (Config(128, 256, 64, 8, 3), Config(128, 256, 64, 8, 4), Config(256, 128, 64, 8, 3),
                  Config(128, 128, 64, 4, 4)),
-    "dxt_tma": (Config(128, 256, 64, 8, 3), Config(128, 256, 64, 8, 4), Config(256, 128, 64, 8, 3),
+    "dxt_tma": (Config(128, 256, 64, 8, 4), Config(128, 256, 64, 8, 3), Config(256, 128, 64, 8, 3),
                 Config(128, 128, 64, 4, 4)),
     # dh computes its tile as two bn/2 halves (one epilogue at a time); bn >= 32
     "dh": (Config(128, 128, 64, 8, 4), Config(128, 128, 64, 8, 3), Config(64, 128, 64, 8, 4),
@@ -58,6 +59,12 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
     # num_stages - 2 operand buffers there, hence the deeper stage counts
     "dw": (Config(128, 128, 64, 8, 5), Config(128, 256, 64, 8, 5), Config(128, 128, 64, 8, 4),
            Config(128, 256, 64, 8, 4)),
+    # W2 by TMA, persistent (gemm.dh_tma_kernel); 128 x 128 spills 192 bytes on sm_90, the two half-size tiles none
+    "dh_tma": (Config(128, 128, 64, 8, 4), Config(64, 128, 64, 8, 4), Config(128, 64, 64, 8, 4),
+               Config(128, 128, 64, 8, 3)),
+    # the contiguous operand (dH for dW1, A' for dW2) by TMA (gemm.varlen_k_tma_kernel)
+    "dw_tma": (Config(128, 128, 64, 8, 4), Config(128, 256, 64, 8, 4), Config(128, 128, 64, 8, 5),
+               Config(128, 256, 64, 8, 3)),
 }
 
 _autotune = os.environ.get("SONIC_TRITON_AUTOTUNE", "0") == "1"
