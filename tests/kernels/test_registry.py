@@ -40,3 +40,19 @@ def test_auto_on_cpu_is_the_reference_and_unknown_names_fail():
     assert kernels.resolve_backend("auto", CPU) == "reference"
     with pytest.raises(ValueError, match="model.moe.kernel_backend='nope' is not one of auto, reference"):
         kernels.resolve_backend("nope", CPU)
+
+
+def test_a_triton_too_old_for_the_tma_kernels_is_named_with_the_fix(monkeypatch):
+    import sonic.kernels.triton as triton_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.2.0"))
+    kernels.resolve_backend.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"triton 3\.2\.0 is older than 3\.4.*pip install 'triton>=3\.4'"):
+            kernels.resolve_backend("triton", torch.device("cuda"))
+    finally:
+        kernels.resolve_backend.cache_clear()
+    assert triton_backend.version_reason("3.4.0") is None
+    assert triton_backend.version_reason("3.6.0+git8f3a1b2") is None
+    assert triton_backend.version_reason("3.3.1") is not None

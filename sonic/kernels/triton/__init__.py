@@ -23,6 +23,22 @@ from torch import Tensor
 from sonic.routing.plan import RoutingPlan
 
 
+MIN_TRITON = (3, 4)  # host TensorDescriptors and tl.range(flatten=), which the TMA kernels use (gemm.py)
+
+
+def version_reason(version: str) -> str | None:
+    """Why this Triton version cannot run the backend, or None. Older ones fail at import of gemm.py."""
+    try:
+        have = tuple(int(v) for v in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return None  # a development build: let the import decide
+    if have < MIN_TRITON:
+        need = ".".join(map(str, MIN_TRITON))
+        return (f"triton {version} is older than {need}, which the triton backend's TMA kernels need; "
+                f"pip install 'triton>={need}' (or the 'gpu' extra)")
+    return None
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     device = torch.device(device)
     if device.type != "cuda":
@@ -30,9 +46,12 @@ def unavailable_reason(device: torch.device) -> str | None:
     if not torch.cuda.is_available():
         return "torch reports no usable CUDA device"
     try:
-        import triton  # noqa: F401
+        import triton
     except ImportError as err:
         return f"triton is not importable ({err}); install the 'gpu' extra"
+    old = version_reason(triton.__version__)
+    if old:
+        return old
     major, minor = torch.cuda.get_device_capability(device)
     if major < 8:
         return f"compute capability {major}.{minor} < 8.0 (no bf16 tensor cores)"
