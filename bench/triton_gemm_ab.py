@@ -1,7 +1,8 @@
 """The triton backend's expert products by both of their kernels, per tile config: pointer loads, one tile per
-program (`up_proj_kernel`, `varlen_m_gemm_kernel`, `dh_kernel`, `varlen_k_gemm_kernel`), against the kernels that load
-the operands TMA can reach by TMA (`up_proj_tma_kernel`, `varlen_m_tma_kernel`, `dh_tma_kernel`,
-`varlen_k_tma_kernel`: what `function` runs where TMA can load them).
+program (`up_proj_kernel`, `varlen_m_gemm_kernel`, `varlen_k_gemm_kernel`), against the kernels that load the operands
+TMA can reach by TMA (`up_proj_tma_kernel`, `varlen_m_tma_kernel`, `varlen_k_tma_kernel`: what `function` runs where
+TMA can load them). dH (`dh_kernel`) has the pointer path only: a persistent version loading W2 by TMA ran 27-37%
+slower (bench/results/2026-11-28-h200-triton_gemm_ab-bwd-3a3a37f.json).
 
     python -m bench.triton_gemm_ab --configs 7B,30B,120B --products up,down,dxt,dh,dw1,dw2
 
@@ -56,7 +57,9 @@ def main(argv=None):
     from sonic.routing.plan import plan_from_topk
 
     given = args.tiles and [tuning.Config(*(int(v) for v in t.split("x"))) for t in args.tiles.split(",")]
-    tuned = {"up": "up", "down": "down", "dxt": "dxt", "dh": "dh", "dw1": "dw", "dw2": "dw"}  # tuning's kernel names
+    # tuning's kernel names, pointer path and TMA path
+    tuned = {"up": ("up", "up_tma"), "down": ("down", "down_tma"), "dxt": ("dxt", "dxt_tma"), "dh": ("dh",),
+             "dw1": ("dw", "dw1_tma"), "dw2": ("dw", "dw2_tma")}
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the interpreter has no bf16 dot
     records = []
@@ -89,10 +92,10 @@ def main(argv=None):
                     "dh": (lambda: function.dh(dout, plan.token_idx_R, s, w2, None, h, maps, key)[0],
                            lambda: dswiglu(s.float()[:, None] * dap(), h.float()), 2 * R * N * D),
                     "dw1": (lambda: function.varlen_k(dh, None, x, plan.token_idx_R, plan.expert_offsets_E1, dtype,
-                                                      key=key)[0],
+                                                      key=key, kernel="dw1")[0],
                             by_expert(lambda e: dh[rows(e)].float().T @ x[tok[rows(e)]].float()), 2 * R * 2 * N * D),
                     "dw2": (lambda: function.varlen_k(dout, plan.token_idx_R, a, None, plan.expert_offsets_E1, dtype,
-                                                      key=key)[0],
+                                                      key=key, kernel="dw2")[0],
                             by_expert(lambda e: dout[tok[rows(e)]].float().T @ a[rows(e)].float()), 2 * R * N * D)}
         unknown = set(args.products.split(",")) - set(products)
         if unknown:
@@ -100,9 +103,9 @@ def main(argv=None):
         for kernel in args.products.split(","):
             run, product, flops = products[kernel]
             ref = product()
-            tiles = given or dict.fromkeys(tuning.CANDIDATES[tuned[kernel]] + tuning.CANDIDATES[tuned[kernel] + "_tma"])
+            tiles = given or dict.fromkeys(c for name in tuned[kernel] for c in tuning.CANDIDATES[name])
             for cfg in tiles:
-                for tma in (False, True):
+                for tma in (False, True)[:len(tuned[kernel])]:  # dH has one path
                     with forced(function, tuning, cfg, tma):
                         out = run()
                         err = (out.float() - ref).abs().max().item()

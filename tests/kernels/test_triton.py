@@ -223,12 +223,12 @@ def _interpreter_main() -> None:
     small = tuning.Config(16, 32, 16, 4, 1)
     for k in tuning.CANDIDATES:
         tuning.CANDIDATES[k] = (small,)
-    # the shapes below take both paths of every product: TMA where 16 divides the reduction (varlen-M, dH) and the
-    # operand's rows are 16-byte aligned, pointers elsewhere (D 72: up and dH; N 40 and 36: down; 2N 72: dX~; the
+    # the shapes below take both paths of every product that has two: TMA where 16 divides the reduction (varlen-M)
+    # and the operand's rows are 16-byte aligned, pointers elsewhere (D 72: up; N 40 and 36: down; 2N 72: dX~; the
     # fp16 A' rows of N 36, 72 bytes: dW2)
     launches = {}
     paths = ("up_proj_kernel", "up_proj_tma_kernel", "varlen_m_gemm_kernel", "varlen_m_tma_kernel", "dh_kernel",
-             "dh_tma_kernel", "varlen_k_gemm_kernel", "varlen_k_tma_kernel")
+             "varlen_k_gemm_kernel", "varlen_k_tma_kernel")
     for name in paths:
         kernel = getattr(gemm, name)
         setattr(gemm, name, type("Counted", (), {"__getitem__": lambda self, grid, name=name, kernel=kernel: (

@@ -15,5 +15,6 @@ def test_both_paths_match_the_torch_product(tmp_path):
     records = json.loads(path.read_text())["records"]
     assert {(r["kernel"], r["path"], r["tile"]) for r in records} == {
         (k, p, t) for k in ("up", "down", "dxt", "dh", "dw1", "dw2") for p in ("pointer", "tma")
-        for t in ("Config(bm=16, bn=32, bk=16, warps=4, stages=1)", "Config(bm=32, bn=32, bk=16, warps=4, stages=1)")}
+        for t in ("Config(bm=16, bn=32, bk=16, warps=4, stages=1)", "Config(bm=32, bn=32, bk=16, warps=4, stages=1)")
+        if (k, p) != ("dh", "tma")}  # dH has one path
     assert all(r["max_err"] < 1e-4 and r["ms"] is None for r in records), records

@@ -156,42 +156,28 @@ def dh(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF, maps: _Maps, key):
     dh_RF = _alloc((R, 2 * N), h_RF.dtype, h_RF.device)
     aprime_RN = _alloc((R, N), h_RF.dtype, h_RF.device)
     result = {}
-    bias = b2_ED if b2_ED is not None else w2_EDN
-    w2_rows = w2_EDN.view(E * D, N)  # rows d of every expert: B[k, n] of dA' = dO W2_e
-
-    def run_tma(cfg: tuning.Config):
-        tm = maps(cfg.bm)
-        num_n = triton.cdiv(N, cfg.bn)
-        result["ds_part"] = ds_part_JR = _alloc((num_n, R), torch.float32, h_RF.device)
-        w2_desc = TensorDescriptor.from_tensor(w2_rows, [cfg.bk, cfg.bn // 2])
-        sms = _num_sms(h_RF.device)
-        gemm.dh_tma_kernel[(sms,)](dout_TD, token_idx_R, scores_R, w2_desc, bias, h_RF, dh_RF, aprime_RN,
-                                   ds_part_JR, *tm.args(maps.off), R, D, N, HAS_BIAS=b2_ED is not None,
-                                   NUM_SMS=sms, **cfg.kwargs())
 
     def run(cfg: tuning.Config):
         tm = maps(cfg.bm)
         num_n = triton.cdiv(N, cfg.bn)
-        result["ds_part"] = ds_part_JR = _alloc((num_n, R), torch.float32, h_RF.device)
+        ds_part_JR = _alloc((num_n, R), torch.float32, h_RF.device)
         gemm.dh_kernel[(tm.max_tiles * num_n,)](
-            dout_TD, token_idx_R, scores_R, w2_EDN, bias, h_RF,
+            dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED if b2_ED is not None else w2_EDN, h_RF,
             dh_RF, aprime_RN, ds_part_JR, *tm.args(maps.off), R, D, N,
             HAS_BIAS=b2_ED is not None, EVEN_K=D % cfg.bk == 0, EVEN_N=N % cfg.bn == 0,
             **cfg.kwargs())
+        result["ds_part"] = ds_part_JR
 
-    adjust = lambda c: tuning.halves(tuning.fit(c, N, D))  # noqa: E731
-    cfg = tuning.choose("dh_tma", key, run_tma, adjust) if _tma_ok(w2_rows) else None
-    if cfg is not None and D % cfg.bk == 0:
-        run_tma(cfg)
-    else:
-        run(tuning.choose("dh", key, run, adjust))
+    cfg = tuning.choose("dh", key, run, lambda c: tuning.halves(tuning.fit(c, N, D)))
+    run(cfg)
     ds_R = result["ds_part"].sum(0)  # fixed-order sum over column tiles: deterministic
     return dh_RF, aprime_RN, ds_R
 
 
 def varlen_k(p_XI, p_idx_R, q_YJ, q_idx_R, expert_offsets_E1, out_dtype, weight_R=None,
-             bias_grad: bool = False, key=()) -> tuple[Tensor, Tensor | None]:
-    """out_e = P[rows of e]^T Q[rows of e] (rows optionally gathered), (E, I, J)."""
+             bias_grad: bool = False, key=(), kernel: str = "dw") -> tuple[Tensor, Tensor | None]:
+    """out_e = P[rows of e]^T Q[rows of e] (rows optionally gathered), (E, I, J). `kernel` names the product's
+    TMA tile configs in tuning.py (dw1, dw2); the pointer kernel's are "dw"."""
     I, J = p_XI.shape[1], q_YJ.shape[1]
     E = expert_offsets_E1.numel() - 1
     out_EIJ = _alloc((E, I, J), out_dtype, p_XI.device)
@@ -219,7 +205,7 @@ def varlen_k(p_XI, p_idx_R, q_YJ, q_idx_R, expert_offsets_E1, out_dtype, weight_
         f = tuning.fit(c, J, 1 << 30)
         return tuning.Config(max(16, min(f.bm, triton.next_power_of_2(I))), f.bn, f.bk, f.warps, f.stages)
 
-    cfg = tuning.choose("dw_tma" if tma else "dw", key + (I, J), run, adjust)
+    cfg = tuning.choose(kernel + "_tma" if tma else "dw", key + (I, J), run, adjust)
     run(cfg)
     return out_EIJ, bias_EI
 
@@ -271,7 +257,7 @@ def backward(dout_TD, x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, plan: RoutingPla
     if need_dw2 or need_db2:  # dW2_e = dO[pi_e]^T A'_e ; db2_e = sum s * dO[pi_e]
         dw2, db2 = varlen_k(dout_TD, tok, aprime_RN, None, plan.expert_offsets_E1, w2_EDN.dtype,
                             weight_R=scores_R if b2_ED is not None else None,
-                            bias_grad=b2_ED is not None, key=key)
+                            bias_grad=b2_ED is not None, key=key, kernel="dw2")
     del aprime_RN
     if need_dx:  # dX~_e = dH_e W1_e: B[k, n] = w1[e, k, n]
         dxt_RD = varlen_m(dh_RF, w1_EFD, D, 1, D, None, maps, "dxt", key)
@@ -279,7 +265,7 @@ def backward(dout_TD, x_TD, h_RF, w1_EFD, w2_EDN, b1_EF, b2_ED, plan: RoutingPla
         del dxt_RD
     if need_dw1 or need_db1:  # dW1_e = dH_e^T X[pi_e] ; db1_e = sum dH_e
         dw1, db1 = varlen_k(dh_RF, None, x_TD, tok, plan.expert_offsets_E1, w1_EFD.dtype,
-                            bias_grad=b1_EF is not None, key=key)
+                            bias_grad=b1_EF is not None, key=key, kernel="dw1")
     return (dx_TD, dw1, dw2, db1 if b1_EF is not None else None, db2 if b2_ED is not None else None,
             ds_R.to(scores_R.dtype))
 

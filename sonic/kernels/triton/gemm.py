@@ -10,7 +10,8 @@ Row indices are clamped to the expert's last row for the loads, so the K loops o
 varlen-M kernels carry no row masks (tails are dropped at the store). Where TMA can load both
 operands of a varlen-M product (Hopper, 16-bit, aligned, BK dividing K), a persistent kernel
 (`varlen_m_tma_kernel`) runs it instead; likewise the up-projection loads W1 by TMA
-(`up_proj_tma_kernel`), its gathered X by pointers.
+(`up_proj_tma_kernel`), its gathered X by pointers, and the weight gradients their contiguous
+operand, dH or A' (`varlen_k_tma_kernel`), the gathered one by pointers.
 
 Legend: R routed rows, T tokens, D hidden, N expert width, F = 2N (gate/up interleaved),
 E experts; BM/BN/BK tile sizes.
@@ -280,22 +281,6 @@ def _dh_epilogue(acc, c0, rows64, rm, s, N, F, h_RF, dh_RF, aprime_RN,
     return ds
 
 
-@triton.jit
-def _dh_finish(acc1, acc2, dob2, n_tile, rows, rm, scores_R, h_RF, dh_RF, aprime_RN, ds_part_JR, R, N,
-               HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """Both dH kernels' epilogue of one (row tile, BN columns of N), one half-width accumulator at a time: dH, A'
-    and this column tile's partial dS (+<dO, b2> in column tile 0)."""
-    HB: tl.constexpr = BN // 2
-    c0 = n_tile * BN
-    rows64 = rows.to(tl.int64)
-    s = tl.load(scores_R + rows, mask=rm, other=0.0).to(tl.float32)
-    ds = _dh_epilogue(acc1, c0, rows64, rm, s, N, 2 * N, h_RF, dh_RF, aprime_RN, BM, HB)
-    ds += _dh_epilogue(acc2, c0 + HB, rows64, rm, s, N, 2 * N, h_RF, dh_RF, aprime_RN, BM, HB)
-    if HAS_BIAS:
-        ds += tl.where(n_tile == 0, dob2, 0.0)
-    tl.store(ds_part_JR + n_tile.to(tl.int64) * R + rows64, ds, mask=rm)
-
-
 @triton.jit(do_not_specialize=["R"])
 def dh_kernel(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF,
               dh_RF, aprime_RN, ds_part_JR,
@@ -351,49 +336,13 @@ def dh_kernel(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF,
             a_ptrs += BK
             b1_ptrs += BK * N
             b2_ptrs += BK * N
-        _dh_finish(acc1, acc2, dob2, n_tile, rows, rm, scores_R, h_RF, dh_RF, aprime_RN, ds_part_JR, R, N,
-                   HAS_BIAS, BM, BN)
-
-
-@triton.jit(do_not_specialize=["R"])
-def dh_tma_kernel(dout_TD, token_idx_R, scores_R, w2_desc, b2_ED, h_RF,
-                  dh_RF, aprime_RN, ds_part_JR,
-                  tile_expert_M, tile_row_M, num_tiles_1, expert_offsets_E1, R, D, N,
-                  HAS_BIAS: tl.constexpr, NUM_SMS: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """dh_kernel with W2 loaded by TMA (w2_desc: every expert's rows of W2, (E*D, N), BK x BN/2 boxes),
-    persistent: NUM_SMS programs walk the (row tile, column tile) pairs, so a program's next tile is issued as
-    soon as its epilogue is done. dO stays a gather by pointers. The launcher takes this path only when BK
-    divides D, so no K step reads the next expert's rows of W2; columns past N load as zeros.
-    """
-    HB: tl.constexpr = BN // 2
-    NUM_N = tl.cdiv(N, BN)
-    num_tiles = tl.load(num_tiles_1) * NUM_N
-    k_steps = D // BK
-    offs_k = tl.arange(0, BK)
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS):
-        m_tile = tile // NUM_N
-        n_tile = tile % NUM_N
-        e = tl.load(tile_expert_M + m_tile)
-        row0 = tl.load(tile_row_M + m_tile)
-        row_end = tl.load(expert_offsets_E1 + e + 1)
-        rows = row0 + tl.arange(0, BM)
-        rm = rows < row_end
-        tok = tl.load(token_idx_R + tl.minimum(rows, row_end - 1)).to(tl.int64)
-        c0 = n_tile * BN
-        acc1 = tl.zeros((BM, HB), dtype=tl.float32)
-        acc2 = tl.zeros((BM, HB), dtype=tl.float32)
-        dob2 = tl.zeros((BM,), dtype=tl.float32)
-        for ks in range(k_steps):
-            k = ks * BK
-            a = tl.load(dout_TD + tok[:, None] * D + (k + offs_k)[None, :])
-            acc1 = tl.dot(a, w2_desc.load([e * D + k, c0]), acc1)
-            acc2 = tl.dot(a, w2_desc.load([e * D + k, c0 + HB]), acc2)
-            if HAS_BIAS:
-                bias = tl.load(b2_ED + e * D + k + offs_k).to(tl.float32)
-                dob2 += tl.sum(a.to(tl.float32) * bias[None, :], axis=1)
-        _dh_finish(acc1, acc2, dob2, n_tile, rows, rm, scores_R, h_RF, dh_RF, aprime_RN, ds_part_JR, R, N,
-                   HAS_BIAS, BM, BN)
+        rows64 = rows.to(tl.int64)
+        s = tl.load(scores_R + rows, mask=rm, other=0.0).to(tl.float32)
+        ds = _dh_epilogue(acc1, c0, rows64, rm, s, N, F, h_RF, dh_RF, aprime_RN, BM, HB)
+        ds += _dh_epilogue(acc2, c0 + HB, rows64, rm, s, N, F, h_RF, dh_RF, aprime_RN, BM, HB)
+        if HAS_BIAS:
+            ds += tl.where(n_tile == 0, dob2, 0.0)
+        tl.store(ds_part_JR + n_tile.to(tl.int64) * R + rows64, ds, mask=rm)
 
 
 @triton.jit
@@ -501,8 +450,8 @@ def varlen_k_tma_kernel(p, p_idx_R, q, q_idx_R, weight_R, out_EIJ, bias_grad_EI,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """varlen_k_gemm_kernel's product with its contiguous operand loaded by TMA: p and q are (R, I) / (R, J)
     descriptors with BK x BM / BK x BN boxes where not gathered, else the (T, I) / (T, J) tensors read through
-    p_idx_R / q_idx_R (dW2: dO gathered, A' by TMA; dW1: dH by TMA, X gathered). The full BK-row steps carry no
-    row masks; the expert's last partial step is the TAIL step."""
+    p_idx_R / q_idx_R (dW2: dO gathered, A' by TMA; dW1: dH by TMA, X gathered). The expert's full BK-row steps
+    use the TMA box as loaded; its last partial step is the TAIL step, which masks it."""
     NUM_I = tl.cdiv(I, BM)
     NUM_J = tl.cdiv(J, BN)
     pid = tl.program_id(0)

@@ -59,12 +59,13 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
     # num_stages - 2 operand buffers there, hence the deeper stage counts
     "dw": (Config(128, 128, 64, 8, 5), Config(128, 256, 64, 8, 5), Config(128, 128, 64, 8, 4),
            Config(128, 256, 64, 8, 4)),
-    # W2 by TMA, persistent (gemm.dh_tma_kernel); 128 x 128 spills 192 bytes on sm_90, the two half-size tiles none
-    "dh_tma": (Config(128, 128, 64, 8, 4), Config(64, 128, 64, 8, 4), Config(128, 64, 64, 8, 4),
-               Config(128, 128, 64, 8, 3)),
-    # the contiguous operand (dH for dW1, A' for dW2) by TMA (gemm.varlen_k_tma_kernel)
-    "dw_tma": (Config(128, 128, 64, 8, 4), Config(128, 256, 64, 8, 4), Config(128, 128, 64, 8, 5),
-               Config(128, 256, 64, 8, 3)),
+    # the contiguous operand (dH for dW1, A' for dW2) by TMA (gemm.varlen_k_tma_kernel): the first of each was the
+    # fastest of five tiles at 30B's and sonic_7b's shapes on an H200, by both paths
+    # (`python -m bench.triton_gemm_ab --products dh,dw1,dw2`: bench/results/2026-11-28-h200-triton_gemm_ab-bwd-3a3a37f.json)
+    "dw1_tma": (Config(128, 128, 64, 8, 5), Config(128, 128, 64, 8, 4), Config(128, 256, 64, 8, 5),
+                Config(128, 256, 64, 8, 4)),
+    "dw2_tma": (Config(128, 256, 64, 8, 5), Config(128, 128, 64, 8, 5), Config(128, 128, 64, 8, 4),
+                Config(128, 256, 64, 8, 4)),
 }
 
 _autotune = os.environ.get("SONIC_TRITON_AUTOTUNE", "0") == "1"
