@@ -653,15 +653,19 @@ TABLES = (
                    Field("error ×1e3", "configs.0.err", 1e3, digits=1))),
     Table("block_h200_triton_tma", first="config, backend, commit", caption="The triton backend's block after its "
           "TMA kernels (the down-projection and dX~ with both operands by TMA, persistent, `2837c0a`; the "
-          "up-projection's W1 by TMA too, `d4ef3ca`), interleaved with the official layer as above, seven rounds, "
-          "one H200 each (`bash bench/gpu.sh block` with `BLOCK_ARGS=\"--configs 30B,7B,120B --backends triton "
-          "--compile only --rounds 7\"`, the official layer's autotune cache carried in), beside the full table's "
-          "triton rows (`c9ddd54`, before them).",
+          "up-projection's W1 by TMA too, `d4ef3ca`; dW1 and dW2 with their contiguous operand by TMA, `c2c51c4`), "
+          "interleaved with the official layer as above, seven rounds, one H200 each (`bash bench/gpu.sh block` with "
+          "`BLOCK_ARGS=\"--configs 30B,7B,120B --backends triton --compile only --rounds 7\"`, the official layer's "
+          "autotune cache carried in; at `c2c51c4` two calls on one machine, 30B and 120B with a cold cache, then "
+          "7B), beside the full table's triton rows (`c9ddd54`, before them). The official layer's f+b TFLOPS column "
+          "moves between calls and the × with it; Sonic's own f+b TFLOPS column is the steadier reading.",
           rows=tuple(Row(f"{config}, triton+compile, {commit}", file, {"config": config, "backend": "triton+compile"})
                      for config in ("7B", "30B", "120B")
                      for commit, file in (("c9ddd54", "bench/results/2026-11-26-h200-moe_block.json"),
                                           ("2837c0a", "bench/results/2026-11-26-h200-moe_block-triton-tma-2837c0a.json"),
-                                          ("d4ef3ca", "bench/results/2026-11-26-h200-moe_block-triton-tma.json"))
+                                          ("d4ef3ca", "bench/results/2026-11-26-h200-moe_block-triton-tma.json"),
+                                          ("c2c51c4", "bench/results/2026-11-28-h200-moe_block-triton-dwtma"
+                                                      + ("-7B.json" if config == "7B" else ".json")))
                      if config == "30B" or commit != "2837c0a"),
           columns=BLOCK_COLUMNS),
     Table("block_h200_all", first="config, backend", caption="All twelve Table 9b configs: the MoE block as "
