@@ -199,7 +199,7 @@ def run(args, B: int, S: int, device: torch.device) -> dict:
     return {"which": args.which, "compile": args.compile, "layers": args.layers, "batch": f"{B}x{S}",
             "data": args.data, "backend": args.backend if args.which == "sonic" else "grouped_mm",
             "gpu": torch.cuda.get_device_name() if cuda else "cpu", "params": params, "step_ms": round(ms, 1),
-            "step_ms_best": round(min(times), 1), "tokens_per_s": round(B * S / ms * 1e3),
+            "step_ms_best": round(min(times), 1), "tokens_per_s": round(B * S / ms * 1e3, 1),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
             "warmup_s": round(warmup_s, 1), "loss": loss.item(), "like_for_like": True, "commit": git_commit(),
             "command": "python -m bench.peer_titan " + " ".join(sys.argv[1:]), "torch": torch.__version__}
