@@ -168,7 +168,7 @@ def dh(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF, maps: _Maps, key):
             **cfg.kwargs())
         result["ds_part"] = ds_part_JR
 
-    cfg = tuning.choose("dh", key, run, lambda c: tuning.halves(tuning.fit(c, N, D)))
+    cfg = tuning.choose("dh", key, run, lambda c: tuning.fit(c, N, D))
     run(cfg)
     ds_R = result["ds_part"].sum(0)  # fixed-order sum over column tiles: deterministic
     return dh_RF, aprime_RN, ds_R
@@ -192,8 +192,8 @@ def varlen_k(p_XI, p_idx_R, q_YJ, q_idx_R, expert_offsets_E1, out_dtype, weight_
         if tma:  # the operands that are not gathered as TMA descriptors of (BK rows) x (the tile's columns)
             p = p if p_idx_R is not None else TensorDescriptor.from_tensor(p_XI, [cfg.bk, cfg.bm])
             q = q if q_idx_R is not None else TensorDescriptor.from_tensor(q_YJ, [cfg.bk, cfg.bn])
-        kernel = gemm.varlen_k_tma_kernel if tma else gemm.varlen_k_gemm_kernel
-        kernel[grid](p, p_idx_R if p_idx_R is not None else expert_offsets_E1, q,
+        launch = gemm.varlen_k_tma_kernel if tma else gemm.varlen_k_gemm_kernel
+        launch[grid](p, p_idx_R if p_idx_R is not None else expert_offsets_E1, q,
                      q_idx_R if q_idx_R is not None else expert_offsets_E1,
                      weight_R if weight_R is not None else p_XI, out_EIJ,
                      bias_EI if bias_EI is not None else out_EIJ, expert_offsets_E1, I, J,
