@@ -491,7 +491,11 @@ TABLES = (
               e2e("triton at `d4ef3ca` (the TMA expert kernels; one call, first)",
                   "2026-11-26-1xh200-e2e-40L-triton-d4ef3ca.json", "triton_40L"),
               e2e("triton at `f8ef199` (the tree before them, from a git archive; the same call, second)",
-                  "2026-11-26-1xh200-e2e-40L-triton-f8ef199.json", "triton_40L"))),
+                  "2026-11-26-1xh200-e2e-40L-triton-f8ef199.json", "triton_40L"),
+              e2e("triton at `3ddb28a` (dW1/dW2 by TMA, dH as one dot; one machine, after the block benches)",
+                  "2026-11-28-1xh200-e2e-40L-triton-3ddb28a.json", "triton_40L"),
+              e2e("cute at `3ddb28a` (the default backend; the same machine, next call)",
+                  "2026-11-28-1xh200-e2e-40L-cute-3ddb28a.json", "cute_40L"))),
     Table("peer_titan", first="model", columns=(
         Field("step ms, median", "step_ms"), Field("step ms, best", "step_ms_best"),
         Field("k tokens/s", "tokens_per_s", 1e-3), Ratio("× torchtitan, tokens/s", "tokens_per_s", "tokens_per_s",
@@ -653,11 +657,11 @@ TABLES = (
                    Field("error ×1e3", "configs.0.err", 1e3, digits=1))),
     Table("block_h200_triton_tma", first="config, backend, commit", caption="The triton backend's block after its "
           "TMA kernels (the down-projection and dX~ with both operands by TMA, persistent, `2837c0a`; the "
-          "up-projection's W1 by TMA too, `d4ef3ca`; dW1 and dW2 with their contiguous operand by TMA, `c2c51c4`), "
-          "interleaved with the official layer as above, seven rounds, one H200 each (`bash bench/gpu.sh block` with "
+          "up-projection's W1 by TMA too, `d4ef3ca`; dW1 and dW2 with their contiguous operand by TMA, `c2c51c4`; dH as "
+          "one 128-wide dot per tile, its epilogue by column quarters, `3ddb28a`), interleaved with the official layer as above, seven rounds, one H200 each (`bash bench/gpu.sh block` with "
           "`BLOCK_ARGS=\"--configs 30B,7B,120B --backends triton --compile only --rounds 7\"`, the official layer's "
           "autotune cache carried in; at `c2c51c4` two calls on one machine, 30B and 120B with a cold cache, then "
-          "7B), beside the full table's triton rows (`c9ddd54`, before them). The official layer's f+b TFLOPS column "
+          "7B; at `3ddb28a` likewise, the cache carried in), beside the full table's triton rows (`c9ddd54`, before them). The official layer's f+b TFLOPS column "
           "moves between calls and the × with it; Sonic's own f+b TFLOPS column is the steadier reading.",
           rows=tuple(Row(f"{config}, triton+compile, {commit}", file, {"config": config, "backend": "triton+compile"})
                      for config in ("7B", "30B", "120B")
@@ -665,6 +669,8 @@ TABLES = (
                                           ("2837c0a", "bench/results/2026-11-26-h200-moe_block-triton-tma-2837c0a.json"),
                                           ("d4ef3ca", "bench/results/2026-11-26-h200-moe_block-triton-tma.json"),
                                           ("c2c51c4", "bench/results/2026-11-28-h200-moe_block-triton-dwtma"
+                                                      + ("-7B.json" if config == "7B" else ".json")),
+                                          ("3ddb28a", "bench/results/2026-11-28-h200-moe_block-triton-dh1dot"
                                                       + ("-7B.json" if config == "7B" else ".json")))
                      if config == "30B" or commit != "2837c0a"),
           columns=BLOCK_COLUMNS),
@@ -839,6 +845,29 @@ TABLES = (
                    Field("issue fwd ms", "issue_ms.fwd", digits=2), Field("issue f+b ms", "issue_ms.fb", digits=2),
                    Field("eager issue fwd ms", "eager_issue_ms.fwd", digits=2),
                    Field("eager issue f+b ms", "eager_issue_ms.fb", digits=2),
+                   Field("output sum", "check.out_sum", digits=3))),
+    Table("triton_dh_ab", first="config, tree", caption="The triton backend's dH product (dA' = dO W2_e with its "
+          "dSwiGLU epilogue) from two trees, one call on one H200 (`python -m bench.triton_gemm_ab --configs "
+          "30B,7B,120B --products dh`, run in each tree): `ee34cfc`, two 64-wide dots per 128 x 128 tile, one per "
+          "epilogue half; `3ddb28a`, one 128-wide dot, the epilogue on column quarters of the accumulator. Each "
+          "tree's default tile (128 x 128 x 64, 8 warps, 4 stages); the error is against a torch product of the "
+          "same bf16 operands.",
+          rows=tuple(Row(f"{config}, {tree}", f"bench/results/2026-11-28-h200-triton_gemm_ab-dh-{tree}.json",
+                         {"config": config, "tile": "Config(bm=128, bn=128, bk=64, warps=8, stages=4)"})
+                     for config in ("7B", "30B", "120B") for tree in ("ee34cfc", "3ddb28a")),
+          columns=(Field("ms", "ms", digits=3), Field("TFLOPS", "tflops", digits=0),
+                   Field("max error", "max_err", digits=4))),
+    Table("block_ab_triton_dh", first="tree, config, round", caption="The compiled MoE block on the triton "
+          "backend from two trees, one process per tree and round, alternating (`python -m bench.block_ab --tree "
+          "old=<ee34cfc> --tree new=. --configs 30B,7B --backend triton --rounds 2`, one H200, the call after the "
+          "dH A/B above): `ee34cfc` and `3ddb28a` differ in dH only. do_bench medians; the output's checksum, equal "
+          "in every row.",
+          rows=tuple(Row(f"{tag} `{tree}`, {config}, {r + 1}",
+                         "bench/results/2026-11-28-h200-block_ab-triton-3ddb28a.json", {"name": config},
+                         f"rounds.{r}.{tag}.configs")
+                     for r in (0, 1) for config in ("7B", "30B")
+                     for tag, tree in (("old", "ee34cfc"), ("new", "3ddb28a"))),
+          columns=(Field("fwd ms", "fwd_ms", digits=3), Field("f+b ms", "fb_ms", digits=3),
                    Field("output sum", "check.out_sum", digits=3))),
     Table("gather_sum", first="shape, sum", caption="The cute gather-sum by the 16-byte chunks a lane holds per "
           "column slice (`python -m bench.gather_sum`, one H200, `a521b6d`, do_bench medians with L2 flushed, seven "
