@@ -90,6 +90,17 @@ def patch_triton_interpreter() -> None:
 def run_in_triton_interpreter(call: str, marker: str, timeout_s: float = 600) -> None:
     """Run `call` (Python, e.g. "import tests.x as t; t.main()") in a subprocess under TRITON_INTERPRET=1 and
     fail unless it printed `marker`; skip where Triton is not installed."""
+    _run_triton_subprocess(call, marker, {"TRITON_INTERPRET": "1"}, timeout_s)
+
+
+def run_triton_compiles(call: str, marker: str, tmp_path: Path, timeout_s: float = 900) -> None:
+    """Run `call` in a subprocess that compiles for the GPU (no interpreter), its Triton cache under tmp_path, and
+    fail unless it printed `marker`; skip where Triton is not installed."""
+    _run_triton_subprocess(call, marker, {"TRITON_CACHE_DIR": str(tmp_path / "cache"), "TRITON_HOME": str(tmp_path),
+                                          "TRITON_INTERPRET": None}, timeout_s)
+
+
+def _run_triton_subprocess(call: str, marker: str, env_changes: dict, timeout_s: float) -> None:
     import importlib.util
     import os
     import subprocess
@@ -100,10 +111,32 @@ def run_in_triton_interpreter(call: str, marker: str, timeout_s: float = 600) ->
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for key, value in env_changes.items():
+        env.pop(key, None)
+        if value is not None:
+            env[key] = value
     proc = subprocess.run([sys.executable, "-c", call], cwd=root, env=env, capture_output=True, text=True,
                           timeout=timeout_s)
     assert proc.returncode == 0 and marker in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def compile_for_hopper(fn, types: dict, constexprs: dict, num_warps: int, num_stages: int = 3,
+                       divisible: tuple = ()):
+    """The Triton kernel `fn` compiled for sm_90 on any machine (a GPU is not needed). `types` gives every
+    argument that is not a constexpr its Triton type by name; pointers, and the integers named in `divisible`,
+    are specialised as divisible by 16, as a launch on aligned buffers and shapes specialises them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if signature[name].startswith("*") or name in divisible}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    assert compiled.asm.get("cubin"), fn.__name__
+    return compiled
 
 
 def checkout_files(root: Path = CONFIGS.parent) -> dict[str, tuple[int, int]]:

@@ -9,14 +9,13 @@ cuobjdump's resource usage must show no stack frame (ptxas's spill slots). The c
 Triton cache is a temporary folder."""
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_triton_compiles
 
 D, N, E, R = 4096, 512, 128, 262144  # 30B's shape (routed rows R = T * K = 32768 * 8)
 SMS = 132
@@ -30,6 +29,7 @@ ARG_TYPES = {
     **dict.fromkeys(("token_idx_R", "tile_expert_M", "tile_row_M", "num_tiles_1", "expert_offsets_E1", "p_idx_R",
                      "q_idx_R", "token_offsets_T1", "rows_by_token_R"), I32),
 }
+ARG_TYPES.update(dict.fromkeys(("R", "D", "N", "K", "F", "I", "J", "E", "B_ROWS", "stride_bk", "stride_bn"), "i32"))
 # the integer arguments Triton specialises as divisible by 16 at 30B's shape (R is do_not_specialize)
 DIVISIBLE = ("D", "N", "K", "F", "I", "J", "B_ROWS", "stride_bn")
 
@@ -97,20 +97,13 @@ def _stack_bytes(cubin: bytes, tmp: Path) -> int:
 
 
 def _main(tmp: str) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from tests.helpers import compile_for_hopper
 
     spilled = []
     for name, fn, extra, constexprs, cfg in launches():
         if cfg.bm:
             constexprs = dict(constexprs, BM=cfg.bm, BN=cfg.bn, BK=cfg.bk)
-        types = {**ARG_TYPES, **extra}
-        signature = {a: "constexpr" if a in constexprs else types.get(a, "i32") for a in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                 if signature[a].startswith("*") or a in DIVISIBLE}
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": cfg.warps, "num_stages": cfg.stages})
+        compiled = compile_for_hopper(fn, {**ARG_TYPES, **extra}, constexprs, cfg.warps, cfg.stages, DIVISIBLE)
         stack = _stack_bytes(compiled.asm["cubin"], Path(tmp))
         print(f"{name}: {cfg} stack {stack} bytes")
         if stack:
@@ -121,13 +114,5 @@ def _main(tmp: str) -> None:
 
 @pytest.mark.slow
 def test_expert_kernels_compile_for_hopper_without_spills(tmp_path):
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "TRITON_HOME": str(tmp_path),
-           "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("TRITON_INTERPRET", None)
-    code = f"import tests.kernels.test_triton_gemm_compile as t; t._main({str(tmp_path)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_triton_compiles(f"import tests.kernels.test_triton_gemm_compile as t; t._main({str(tmp_path)!r})",
+                        "compiled", tmp_path)

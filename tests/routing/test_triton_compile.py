@@ -7,13 +7,9 @@ a cubin, in every constexpr branch the backend launches, with the launchers' own
 a subprocess whose Triton cache is a temporary folder."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.helpers import run_triton_compiles
 
 # every kernel argument by name: its Triton type (pointers by element type; the rest are int32 scalars)
 ARG_TYPES = {
@@ -56,30 +52,15 @@ def launches() -> list[tuple[object, dict]]:
 
 
 def _main() -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from tests.helpers import compile_for_hopper
 
     for fn, constexprs in launches():
         constexprs = dict(constexprs)
         warps = constexprs.pop("num_warps")
-        signature = {name: "constexpr" if name in constexprs else ARG_TYPES[name] for name in fn.arg_names}
-        pointers = [i for i, name in enumerate(fn.arg_names) if signature[name].startswith("*")]
-        attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}  # as the launcher specialises aligned buffers
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": warps})
-        assert compiled.asm.get("cubin"), fn.__name__
+        compile_for_hopper(fn, ARG_TYPES, constexprs, warps)
     print(f"compiled {len(launches())} kernels for sm_90")
 
 
 @pytest.mark.slow
 def test_routing_kernels_compile_for_hopper(tmp_path):
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "TRITON_HOME": str(tmp_path),
-           "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-c", "import tests.routing.test_triton_compile as t; t._main()"], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_triton_compiles("import tests.routing.test_triton_compile as t; t._main()", "compiled", tmp_path)
