@@ -301,7 +301,7 @@ def dh_kernel(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF,
     The main loop is one BN-wide dot: two BN/2-wide dots, one per epilogue half, re-read
     dO's tile from shared memory per dot. The register-heavy epilogue then runs on column
     quarters of the accumulator, one at a time (ptxas for sm_90, 128 x 128 x 64, 8 warps:
-    182 registers, no spill; by halves it spilled 136 bytes, as did the two-dot kernel).
+    182 registers, no spill; by halves it spilled 136 bytes, the two-dot kernel 192).
     """
     F = 2 * N
     NUM_N = tl.cdiv(N, BN)
@@ -362,66 +362,43 @@ def varlen_k_gemm_kernel(p_XI, p_idx_R, q_YJ, q_idx_R, weight_R, out_EIJ, bias_g
 
     P rows (I wide) and Q rows (J wide) are either the routed rows themselves or gathered
     through an index (the token of each row), so dO and X are never materialised per row.
-    With BIAS_GRAD the j-tile-0 programs also write sum_rows (w *) P, the bias gradient.
-    Empty experts write zeros.
+    Every load is by pointers, masked at the expert's last row. With BIAS_GRAD the j-tile-0
+    programs also write sum_rows (w *) P, the bias gradient. Empty experts write zeros.
     """
+    e, i0, j0, lo, hi = _varlen_k_tile(expert_offsets_E1, I, J, BM, BN)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    bacc = tl.zeros((BM,), dtype=tl.float32)
+    for r0 in range(lo, hi, BK):
+        acc, bacc = _varlen_k_step(p_XI, p_idx_R, q_YJ, q_idx_R, weight_R, acc, bacc, r0, hi, i0, j0, I, J,
+                                   False, False, EVEN_IJ, GATHER_P, GATHER_Q, BIAS_GRAD, WEIGHTED, BM, BN, BK)
+    _varlen_k_store(acc, bacc, out_EIJ, bias_grad_EI, e, i0, j0, I, J, BIAS_GRAD, BM, BN)
+
+
+@triton.jit
+def _varlen_k_tile(expert_offsets_E1, I, J, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's (expert, first output row, first output column) and the expert's rows [lo, hi)."""
     NUM_I = tl.cdiv(I, BM)
     NUM_J = tl.cdiv(J, BN)
     pid = tl.program_id(0)
     e = pid // (NUM_I * NUM_J)
     rem = pid % (NUM_I * NUM_J)
-    i_tile = rem // NUM_J
-    j_tile = rem % NUM_J
     lo = tl.load(expert_offsets_E1 + e)
     hi = tl.load(expert_offsets_E1 + e + 1)
-    offs_i = i_tile * BM + tl.arange(0, BM)
-    offs_j = j_tile * BN + tl.arange(0, BN)
-    im = offs_i < I
-    jm = offs_j < J
-    offs_r = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    bacc = tl.zeros((BM,), dtype=tl.float32)
-    for r0 in range(lo, hi, BK):
-        rows = r0 + offs_r
-        rm = rows < hi
-        if GATHER_P:
-            prow = tl.load(p_idx_R + rows, mask=rm, other=0).to(tl.int64)
-        else:
-            prow = rows.to(tl.int64)
-        if GATHER_Q:
-            qrow = tl.load(q_idx_R + rows, mask=rm, other=0).to(tl.int64)
-        else:
-            qrow = rows.to(tl.int64)
-        if EVEN_IJ:
-            p = tl.load(p_XI + prow[:, None] * I + offs_i[None, :], mask=rm[:, None], other=0.0)
-            q = tl.load(q_YJ + qrow[:, None] * J + offs_j[None, :], mask=rm[:, None], other=0.0)
-        else:
-            p = tl.load(p_XI + prow[:, None] * I + offs_i[None, :], mask=rm[:, None] & im[None, :],
-                        other=0.0)
-            q = tl.load(q_YJ + qrow[:, None] * J + offs_j[None, :], mask=rm[:, None] & jm[None, :],
-                        other=0.0)
-        acc = tl.dot(tl.trans(p), q, acc)
-        if BIAS_GRAD:  # (weighted) column sums of P: the bias gradient
-            pf = p.to(tl.float32)
-            if WEIGHTED:
-                pf = pf * tl.load(weight_R + rows, mask=rm, other=0.0).to(tl.float32)[:, None]
-            bacc += tl.sum(pf, axis=0)
-    tl.store(out_EIJ + e.to(tl.int64) * I * J + offs_i[:, None] * J + offs_j[None, :],
-             acc.to(out_EIJ.dtype.element_ty), mask=im[:, None] & jm[None, :])
-    if BIAS_GRAD:
-        if j_tile == 0:
-            tl.store(bias_grad_EI + e * I + offs_i, bacc.to(bias_grad_EI.dtype.element_ty), mask=im)
+    return e, (rem // NUM_J) * BM, (rem % NUM_J) * BN, lo, hi
 
 
 @triton.jit
-def _varlen_k_operand(t, idx_R, r0, rows, rm, c0, C, TAIL: tl.constexpr, EVEN_IJ: tl.constexpr,
-                      GATHER: tl.constexpr, BC: tl.constexpr):
-    """Rows [r0, r0 + BK) x columns [c0, c0 + BC) of one varlen-K operand (C columns): through idx_R by
-    pointers if GATHER, else t is a TMA descriptor, whose box in the TAIL step has the rows past the expert
-    (rm false) zeroed."""
-    if GATHER:
+def _varlen_k_operand(t, idx_R, r0, rows, rm, c0, C, TMA: tl.constexpr, TAIL: tl.constexpr,
+                      EVEN_IJ: tl.constexpr, GATHER: tl.constexpr, BC: tl.constexpr):
+    """Rows [r0, r0 + BK) x columns [c0, c0 + BC) of one varlen-K operand (C columns). By pointers, masked at the
+    expert's last row: through idx_R if GATHER, else the rows themselves. Contiguous with TMA, t is a TMA
+    descriptor, whose box in the TAIL step has the rows past the expert (rm false) zeroed."""
+    if GATHER or not TMA:
         cols = c0 + tl.arange(0, BC)
-        row = tl.load(idx_R + rows, mask=rm, other=0).to(tl.int64)
+        if GATHER:
+            row = tl.load(idx_R + rows, mask=rm, other=0).to(tl.int64)
+        else:
+            row = rows.to(tl.int64)
         m = rm[:, None] if EVEN_IJ else rm[:, None] & (cols < C)[None, :]
         out = tl.load(t + row[:, None] * C + cols[None, :], mask=m, other=0.0)
     else:
@@ -433,17 +410,17 @@ def _varlen_k_operand(t, idx_R, r0, rows, rm, c0, C, TAIL: tl.constexpr, EVEN_IJ
 
 @triton.jit
 def _varlen_k_step(p, p_idx_R, q, q_idx_R, weight_R, acc, bacc, r0, hi, i0, j0, I, J,
-                   TAIL: tl.constexpr, EVEN_IJ: tl.constexpr, GATHER_P: tl.constexpr, GATHER_Q: tl.constexpr,
-                   BIAS_GRAD: tl.constexpr, WEIGHTED: tl.constexpr,
+                   TMA: tl.constexpr, TAIL: tl.constexpr, EVEN_IJ: tl.constexpr, GATHER_P: tl.constexpr,
+                   GATHER_Q: tl.constexpr, BIAS_GRAD: tl.constexpr, WEIGHTED: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One BK-row step of varlen_k_tma_kernel: P rows [r0, r0 + BK) x columns [i0, i0 + BM), Q's x [j0, j0 + BN).
-    A gathered operand is a pointer load through its index; a contiguous one is a TMA box, which past the expert's
-    last row reads the next expert's rows (zeros past R): in the TAIL step those rows are zeroed, so the product
-    and the bias sums are the pointer kernel's exactly."""
+    """One BK-row step of a varlen-K kernel: P rows [r0, r0 + BK) x columns [i0, i0 + BM), Q's x [j0, j0 + BN).
+    A gathered operand is a pointer load through its index. A contiguous one is a pointer load too, or with TMA a
+    TMA box, which past the expert's last row reads the next expert's rows (zeros past R): in the TAIL step those
+    rows are zeroed, so the product and the bias sums are the pointer kernel's exactly."""
     rows = r0 + tl.arange(0, BK)
     rm = rows < hi
-    pt = _varlen_k_operand(p, p_idx_R, r0, rows, rm, i0, I, TAIL, EVEN_IJ, GATHER_P, BM)
-    qt = _varlen_k_operand(q, q_idx_R, r0, rows, rm, j0, J, TAIL, EVEN_IJ, GATHER_Q, BN)
+    pt = _varlen_k_operand(p, p_idx_R, r0, rows, rm, i0, I, TMA, TAIL, EVEN_IJ, GATHER_P, BM)
+    qt = _varlen_k_operand(q, q_idx_R, r0, rows, rm, j0, J, TMA, TAIL, EVEN_IJ, GATHER_Q, BN)
     acc = tl.dot(tl.trans(pt), qt, acc)
     if BIAS_GRAD:  # (weighted) column sums of P: the bias gradient
         pf = pt.to(tl.float32)
@@ -451,6 +428,20 @@ def _varlen_k_step(p, p_idx_R, q, q_idx_R, weight_R, acc, bacc, r0, hi, i0, j0, 
             pf = pf * tl.load(weight_R + rows, mask=rm, other=0.0).to(tl.float32)[:, None]
         bacc += tl.sum(pf, axis=0)
     return acc, bacc
+
+
+@triton.jit
+def _varlen_k_store(acc, bacc, out_EIJ, bias_grad_EI, e, i0, j0, I, J, BIAS_GRAD: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr):
+    """A varlen-K tile's stores: out_e's (BM, BN) block, and with BIAS_GRAD (j tile 0 only) the bias sums."""
+    offs_i = i0 + tl.arange(0, BM)
+    offs_j = j0 + tl.arange(0, BN)
+    im = offs_i < I
+    tl.store(out_EIJ + e.to(tl.int64) * I * J + offs_i[:, None] * J + offs_j[None, :],
+             acc.to(out_EIJ.dtype.element_ty), mask=im[:, None] & (offs_j < J)[None, :])
+    if BIAS_GRAD:
+        if j0 == 0:
+            tl.store(bias_grad_EI + e * I + offs_i, bacc.to(bias_grad_EI.dtype.element_ty), mask=im)
 
 
 @triton.jit
@@ -462,32 +453,17 @@ def varlen_k_tma_kernel(p, p_idx_R, q, q_idx_R, weight_R, out_EIJ, bias_grad_EI,
     descriptors with BK x BM / BK x BN boxes where not gathered, else the (T, I) / (T, J) tensors read through
     p_idx_R / q_idx_R (dW2: dO gathered, A' by TMA; dW1: dH by TMA, X gathered). The expert's full BK-row steps
     use the TMA box as loaded; its last partial step is the TAIL step, which masks it."""
-    NUM_I = tl.cdiv(I, BM)
-    NUM_J = tl.cdiv(J, BN)
-    pid = tl.program_id(0)
-    e = pid // (NUM_I * NUM_J)
-    rem = pid % (NUM_I * NUM_J)
-    i0 = (rem // NUM_J) * BM
-    j0 = (rem % NUM_J) * BN
-    lo = tl.load(expert_offsets_E1 + e)
-    hi = tl.load(expert_offsets_E1 + e + 1)
+    e, i0, j0, lo, hi = _varlen_k_tile(expert_offsets_E1, I, J, BM, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     bacc = tl.zeros((BM,), dtype=tl.float32)
     full = (hi - lo) // BK
     for s in range(full):
         acc, bacc = _varlen_k_step(p, p_idx_R, q, q_idx_R, weight_R, acc, bacc, lo + s * BK, hi, i0, j0, I, J,
-                                   False, EVEN_IJ, GATHER_P, GATHER_Q, BIAS_GRAD, WEIGHTED, BM, BN, BK)
+                                   True, False, EVEN_IJ, GATHER_P, GATHER_Q, BIAS_GRAD, WEIGHTED, BM, BN, BK)
     if lo + full * BK < hi:
         acc, bacc = _varlen_k_step(p, p_idx_R, q, q_idx_R, weight_R, acc, bacc, lo + full * BK, hi, i0, j0, I, J,
-                                   True, EVEN_IJ, GATHER_P, GATHER_Q, BIAS_GRAD, WEIGHTED, BM, BN, BK)
-    offs_i = i0 + tl.arange(0, BM)
-    offs_j = j0 + tl.arange(0, BN)
-    im = offs_i < I
-    tl.store(out_EIJ + e.to(tl.int64) * I * J + offs_i[:, None] * J + offs_j[None, :],
-             acc.to(out_EIJ.dtype.element_ty), mask=im[:, None] & (offs_j < J)[None, :])
-    if BIAS_GRAD:
-        if j0 == 0:
-            tl.store(bias_grad_EI + e * I + offs_i, bacc.to(bias_grad_EI.dtype.element_ty), mask=im)
+                                   True, True, EVEN_IJ, GATHER_P, GATHER_Q, BIAS_GRAD, WEIGHTED, BM, BN, BK)
+    _varlen_k_store(acc, bacc, out_EIJ, bias_grad_EI, e, i0, j0, I, J, BIAS_GRAD, BM, BN)
 
 
 @triton.jit
