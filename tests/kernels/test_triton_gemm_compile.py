@@ -63,7 +63,8 @@ def launches() -> list[tuple[str, object, dict, dict, object]]:
         ("dxt_tma", gemm.varlen_m_tma_kernel,
          lambda c: dict(a_desc=_desc(R, F, [c.bm, c.bk]), b_desc=_desc(E * F, D, [c.bk, c.bn])),
          dict(HAS_BIAS=False, B_NK=False, NUM_SMS=SMS)),
-        ("dh", gemm.dh_kernel, lambda c: {}, dict(HAS_BIAS=False, EVEN_K=True, EVEN_N=True)),
+        ("dh", gemm.dh_kernel, lambda c: {},
+         dict(HAS_BIAS=False, EVEN_K=True, EVEN_N=True, PREFETCH_H=True, LINE=64)),
         # dW2 = dO[pi]^T A' (P gathered), dW1 = dH^T X[pi] (Q gathered), by pointers
         ("dw", gemm.varlen_k_gemm_kernel, lambda c: {}, dict(dw, GATHER_P=True, GATHER_Q=False)),
         ("dw", gemm.varlen_k_gemm_kernel, lambda c: {}, dict(dw, GATHER_P=False, GATHER_Q=True)),

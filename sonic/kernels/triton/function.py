@@ -165,7 +165,7 @@ def dh(dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED, h_RF, maps: _Maps, key):
             dout_TD, token_idx_R, scores_R, w2_EDN, b2_ED if b2_ED is not None else w2_EDN, h_RF,
             dh_RF, aprime_RN, ds_part_JR, *tm.args(maps.off), R, D, N,
             HAS_BIAS=b2_ED is not None, EVEN_K=D % cfg.bk == 0, EVEN_N=N % cfg.bn == 0,
-            **cfg.kwargs())
+            PREFETCH_H=h_RF.is_cuda, LINE=128 // h_RF.element_size(), **cfg.kwargs())
         result["ds_part"] = ds_part_JR
 
     cfg = tuning.choose("dh", key, run, lambda c: tuning.fit(c, N, D))

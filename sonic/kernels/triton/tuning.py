@@ -50,8 +50,10 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
                  Config(128, 128, 64, 4, 4)),
     "dxt_tma": (Config(128, 256, 64, 8, 4), Config(128, 256, 64, 8, 3), Config(256, 128, 64, 8, 3),
                 Config(128, 128, 64, 4, 4)),
-    # dh: one dot per tile, its epilogue by column quarters (none of these spills on sm_90)
-    "dh": (Config(128, 128, 64, 8, 4), Config(128, 128, 64, 8, 5), Config(64, 128, 64, 8, 4),
+    # dh: one dot per tile, its epilogue by column quarters (none of these spills on sm_90). 5 stages beat 4 at
+    # 30B's, 120B's and sonic_7b's shapes on an H200, three rotated rounds, with H prefetched or not; 64-row tiles
+    # on 4 warps (two CTAs per SM) lost at all three (bench/results/2026-11-28-h200-triton-dh-prefetch-ab.json)
+    "dh": (Config(128, 128, 64, 8, 5), Config(128, 128, 64, 8, 4), Config(64, 128, 64, 8, 4),
            Config(64, 256, 64, 8, 4), Config(128, 128, 64, 8, 3)),
     "dxt": (Config(128, 256, 64, 8, 3), Config(128, 256, 64, 8, 4), Config(256, 128, 64, 8, 3),
             Config(128, 128, 64, 8, 4)),
