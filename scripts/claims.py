@@ -356,6 +356,7 @@ E2E_1X_EXACTGRAD = "2026-11-25-1xh200-e2e-40L-exactgrad-2.json"
 CENTRING_GRAD = {"exact": "bench/results/2026-11-25-h200-centring-exactgrad.json",
                  "constant": "bench/results/2026-11-25-h200-centring-constscale.json"}
 PEER_TITAN_H100 = "bench/results/2026-11-25-h100-peer_titan.jsonl"
+PEER_TITAN_H200 = "bench/results/2026-11-28-h200-peer_titan.jsonl"
 PROFILE_40L = "bench/results/2026-11-25-h200-trainer_profile.json"
 PROFILE_40L_NOW = "bench/results/2026-11-25-h200-trainer_profile-c0ef921.json"
 E2E_COLUMNS = (
@@ -503,11 +504,14 @@ TABLES = (
         Field("peak GiB", "peak_gib"), Text("like for like", "like_for_like")),
           caption="The training-step peer, like for like (`bench.peer_titan`): `sonic_7b`'s dims cut to 8 layers, "
           "shared expert off, micro-batch 4 × 4096 of local BPE text, per-block compile, one-rank FSDP-2, torch's "
-          "fused AdamW and fp32 cross-entropy on both sides, one H100, each side in its own process; × is Sonic's "
-          "median tokens/s over torchtitan's.", rows=(
+          "fused AdamW and fp32 cross-entropy on both sides, each side in its own process, both sides of a pair on "
+          "one machine: one H100 (`041cf91`), then one H200 (`e416fb3`, one call); × is Sonic's median tokens/s "
+          "over torchtitan's of the same pair.", rows=(
               Row("Sonic (cute experts)", PEER_TITAN_H100, {"which": "sonic"}),
               Row("torchtitan 0.3.0 Qwen3-MoE (grouped_mm experts, flex attention)", PEER_TITAN_H100,
-                  {"which": "titan"}))),
+                  {"which": "titan"}),
+              Row("Sonic (cute experts), H200", PEER_TITAN_H200, {"which": "sonic"}),
+              Row("torchtitan 0.3.0 Qwen3-MoE, H200", PEER_TITAN_H200, {"which": "titan"}))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),
@@ -658,10 +662,11 @@ TABLES = (
     Table("block_h200_triton_tma", first="config, backend, commit", caption="The triton backend's block after its "
           "TMA kernels (the down-projection and dX~ with both operands by TMA, persistent, `2837c0a`; the "
           "up-projection's W1 by TMA too, `d4ef3ca`; dW1 and dW2 with their contiguous operand by TMA, `c2c51c4`; dH as "
-          "one 128-wide dot per tile, its epilogue by column quarters, `3ddb28a`), interleaved with the official layer as above, seven rounds, one H200 each (`bash bench/gpu.sh block` with "
+          "one 128-wide dot per tile, its epilogue by column quarters, `3ddb28a`; dH's H slab prefetched into L2 and 5 "
+          "stages, `e416fb3`), interleaved with the official layer as above, seven rounds, one H200 each (`bash bench/gpu.sh block` with "
           "`BLOCK_ARGS=\"--configs 30B,7B,120B --backends triton --compile only --rounds 7\"`, the official layer's "
           "autotune cache carried in; at `c2c51c4` two calls on one machine, 30B and 120B with a cold cache, then "
-          "7B; at `3ddb28a` likewise, the cache carried in), beside the full table's triton rows (`c9ddd54`, before them). The official layer's f+b TFLOPS column "
+          "7B; at `3ddb28a` likewise, the cache carried in; at `e416fb3` the three in one call), beside the full table's triton rows (`c9ddd54`, before them). The official layer's f+b TFLOPS column "
           "moves between calls and the × with it; Sonic's own f+b TFLOPS column is the steadier reading.",
           rows=tuple(Row(f"{config}, triton+compile, {commit}", file, {"config": config, "backend": "triton+compile"})
                      for config in ("7B", "30B", "120B")
@@ -671,7 +676,8 @@ TABLES = (
                                           ("c2c51c4", "bench/results/2026-11-28-h200-moe_block-triton-dwtma"
                                                       + ("-7B.json" if config == "7B" else ".json")),
                                           ("3ddb28a", "bench/results/2026-11-28-h200-moe_block-triton-dh1dot"
-                                                      + ("-7B.json" if config == "7B" else ".json")))
+                                                      + ("-7B.json" if config == "7B" else ".json")),
+                                          ("e416fb3", "bench/results/2026-11-28-h200-moe_block-triton-dhpf.json"))
                      if config == "30B" or commit != "2837c0a"),
           columns=BLOCK_COLUMNS),
     Table("block_h200_all", first="config, backend", caption="All twelve Table 9b configs: the MoE block as "

@@ -46,7 +46,8 @@ def sweep_rows(paths: list[Path]) -> list[dict]:
         payload = load_json(path)
         shape = sweep_shape(payload)
         for rec in payload.get("sparse_sweep", []):
-            rows.append({**rec, "shape": shape, "source": path, "device": payload.get("device", "")})
+            rows.append({**rec, "shape": shape, "source": path, "device": payload.get("device", ""),
+                         "date": str(payload.get("date", ""))[:10]})
     if not rows:
         raise SystemExit("no sparse_sweep records in " + ", ".join(rel(p) for p in paths))
     return rows
@@ -63,10 +64,11 @@ def pct(x: float | None) -> str:
 def render(paths: list[Path], out_dir: Path) -> str:
     rows = sweep_rows(paths)
     table = []
-    for r in sorted(rows, key=lambda r: (r["shape"], r["backend"], r["device"], r["E"])):
+    for r in sorted(rows, key=lambda r: (r["shape"], r["backend"], r["device"], r["E"], r["date"])):
         T, d, n, K = r["shape"]
         ref = paper_ref(r["shape"], r["E"])
-        table.append([shape_str(r["shape"]), r["E"], r["backend"], r["device"], f"{T * K / r['E'] / TILE:g}",
+        table.append([shape_str(r["shape"]), r["E"], r["backend"], r["device"], r["date"] or "–",
+                      f"{T * K / r['E'] / TILE:g}",
                       f"{r['topk']['rows']} → {r['rounded']['rows']}",
                       f"{r['topk']['fwdbwd_ms']:.3f} → {r['rounded']['fwdbwd_ms']:.3f}",
                       pct(r["speedup_fwd"]), pct(r["speedup_bwd"]), pct(r["speedup_fwdbwd"]),
@@ -79,9 +81,9 @@ def render(paths: list[Path], out_dir: Path) -> str:
     lines = ["# Token rounding vs top-K kernel time in the sparse regime (paper Fig 16)", "",
              "Experts only (no router), one top-K plan and its NR-f token-rounded plan (M_tile 128) per E; speedup = "
              "top-K time ÷ rounded time. T̄e/M_tile = T·K/E/128, the mean tiles per expert. The device "
-             "column names the GPU of each run; the paper is on H100.", "",
+             "and date columns name the GPU and the day of each run; the paper is on H100.", "",
              "\n\n".join(provenance(p, load_json(p)) for p in paths), "",
-             md_table(table, ["(T, d, n, K)", "E", "backend", "device", "T̄e/M_tile", "rows top-K → rounded",
+             md_table(table, ["(T, d, n, K)", "E", "backend", "device", "date", "T̄e/M_tile", "rows top-K → rounded",
                               "f+b ms top-K → rounded", "fwd", "bwd", "f+b", "paper fwd / bwd / f+b (H100)"]), "",
              "## The paper's published speedups (PAPER.md)", "",
              md_table(published, ["setting", "fwd", "bwd", "end to end", "in our sweeps"]), "",
