@@ -496,7 +496,9 @@ TABLES = (
               e2e("triton at `3ddb28a` (dW1/dW2 by TMA, dH as one dot; one machine, after the block benches)",
                   "2026-11-28-1xh200-e2e-40L-triton-3ddb28a.json", "triton_40L"),
               e2e("cute at `3ddb28a` (the default backend; the same machine, next call)",
-                  "2026-11-28-1xh200-e2e-40L-cute-3ddb28a.json", "cute_40L"))),
+                  "2026-11-28-1xh200-e2e-40L-cute-3ddb28a.json", "cute_40L"),
+              e2e("triton at `07c12f9` (dH's H slab prefetched into L2, 5 stages; another machine)",
+                  "2026-11-28-1xh200-e2e-40L-triton-07c12f9.json", "triton_40L"))),
     Table("peer_titan", first="model", columns=(
         Field("step ms, median", "step_ms"), Field("step ms, best", "step_ms_best"),
         Field("k tokens/s", "tokens_per_s", 1e-3), Ratio("× torchtitan, tokens/s", "tokens_per_s", "tokens_per_s",
