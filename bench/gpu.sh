@@ -53,7 +53,9 @@
 #          layer tunes again on its first call per config). After a block call, unpack what it returned
 #          here (mkdir -p .quack_cache && tar -xzf <returned>/quack_cache-h100.tar.gz -C .quack_cache)
 #          and carry .quack_cache in the later calls: the tuning is then paid once per GPU kind
-# The machine's copy has no .git: name the commit for the result files (bench.common.write_json records it)
+# Every file a stage writes under bench/results or docs/repro is also copied to $OUT/results (the machine's tree
+# is replaced by the next call's). The machine's copy has no .git: name the commit for the result files
+# (bench.common.write_json records it)
 #   SONIC_COMMIT=<git rev-parse --short HEAD, run here> bash bench/gpu.sh STAGE
 set -uo pipefail
 export PYTHONUNBUFFERED=1 SONIC_CUTE_CACHE_DIR=/root/.cache/sonic/cute
@@ -162,6 +164,15 @@ run_stage() {
 
 for stage in "${@:?name at least one stage}"; do
   log "stage $stage"
+  marker=$(mktemp)
   run_stage "$stage"
-  log "stage $stage rc=$?"
+  rc=$?
+  # what a stage writes into the tree (bench/results, docs/repro) comes back under $OUT/results: the machine's copy
+  # of the tree is replaced by the next call's, so a result file left only there is lost
+  mapfile -t written < <(find bench/results docs/repro -type f -newer "$marker" 2>/dev/null)
+  if [ "${#written[@]}" -gt 0 ]; then
+    mkdir -p "$OUT/results" && cp "${written[@]}" "$OUT/results/" && log "returned under \$OUT/results: ${written[*]}"
+  fi
+  rm -f "$marker"
+  log "stage $stage rc=$rc"
 done
