@@ -108,6 +108,8 @@ def _main(tmp: str) -> None:
         print(f"{name}: {cfg} stack {stack} bytes")
         if stack:
             spilled.append(f"{name} {cfg}: {stack} bytes of stack")
+        if constexprs.get("PREFETCH_H"):  # dH asks L2 for its epilogue's H slab, evict-last (gemm._prefetch_l2)
+            assert "prefetch.global.L2::evict_last" in compiled.asm["ptx"], f"{name} {cfg}: no H prefetch"
     assert not spilled, "tiles that spill registers on sm_90: " + "; ".join(spilled)
     print(f"compiled {len(launches())} kernels for sm_90")
 
