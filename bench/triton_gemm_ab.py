@@ -47,9 +47,14 @@ def main(argv=None):
                     help="tile configs BMxBNxBKxWARPSxSTAGES, comma-separated (default: each product's candidates in "
                          "sonic/kernels/triton/tuning.py, of both paths)")
     ap.add_argument("--products", default=PRODUCTS, help=f"which products (default {PRODUCTS})")
+    ap.add_argument("--paths", default="pointer,tma", help="which kernels: pointer, tma or both (default both)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1 (tests)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if set(args.paths.split(",")) - {"pointer", "tma"}:
+        raise ValueError(f"--paths {args.paths}: choose pointer, tma or pointer,tma")
+    paths = [p == "tma" for p in dict.fromkeys(args.paths.split(","))]
+    import triton
     from triton.testing import do_bench
 
     from sonic.kernels.swiglu import dswiglu
@@ -105,14 +110,19 @@ def main(argv=None):
             ref = product()
             tiles = given or dict.fromkeys(c for name in tuned[kernel] for c in tuning.CANDIDATES[name])
             for cfg in tiles:
-                for tma in (False, True)[:len(tuned[kernel])]:  # dH has one path
-                    with forced(function, tuning, cfg, tma):
-                        out = run()
-                        err = (out.float() - ref).abs().max().item()
-                        ms = do_bench(run, warmup=10, rep=60, return_mode="median") if dev.type == "cuda" else None
+                for tma in paths if len(tuned[kernel]) > 1 else [False]:  # dH has the pointer path only
                     rec = {"config": name, "shape": [T, D, N, E, K], "kernel": kernel,
-                           "path": "tma" if tma else "pointer", "tile": str(cfg), "ms": ms,
-                           "tflops": flops / ms / 1e9 if ms else None, "max_err": err}
+                           "path": "tma" if tma else "pointer", "tile": str(cfg)}
+                    try:
+                        with forced(function, tuning, cfg, tma):
+                            out = run()
+                            err = (out.float() - ref).abs().max().item()
+                            ms = do_bench(run, warmup=10, rep=60, return_mode="median") if dev.type == "cuda" else None
+                    except triton.runtime.errors.OutOfResources as exc:  # a tile too large for this GPU: say so, go on
+                        records.append({**rec, "error": str(exc)})
+                        print(f"{name:>8} {kernel:>4} {rec['path']:>7} {cfg} out of resources: {exc}", flush=True)
+                        continue
+                    rec.update(ms=ms, tflops=flops / ms / 1e9 if ms else None, max_err=err)
                     records.append(rec)
                     timed = "" if ms is None else f"{ms:.3f} ms {rec['tflops']:.0f} TF "
                     print(f"{name:>8} {kernel:>4} {rec['path']:>7} {cfg} {timed}err {err:.3g}", flush=True)

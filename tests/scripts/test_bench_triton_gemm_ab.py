@@ -2,6 +2,8 @@
 expert products run for each tile config, and each matches the torch product of the same operands."""
 import json
 
+import pytest
+
 from tests.helpers import run_in_triton_interpreter
 
 
@@ -18,3 +20,20 @@ def test_both_paths_match_the_torch_product(tmp_path):
         for t in ("Config(bm=16, bn=32, bk=16, warps=4, stages=1)", "Config(bm=32, bn=32, bk=16, warps=4, stages=1)")
         if (k, p) != ("dh", "tma")}  # dH has one path
     assert all(r["max_err"] < 1e-4 and r["ms"] is None for r in records), records
+
+
+def test_paths_picks_the_kernels(tmp_path):
+    path = tmp_path / "ab.json"
+    call = ("from tests.helpers import patch_triton_interpreter; patch_triton_interpreter(); "
+            "import bench.triton_gemm_ab as b; "
+            f"b.main(['--configs', '', '--shape', '40,64,48,3,2', '--tiles', '16x32x16x4x1', '--products', 'dw1,dh', "
+            f"'--paths', 'tma', '--device', 'cpu', '--json', {str(path)!r}]); print('ab ok')")
+    run_in_triton_interpreter(call, "ab ok")
+    records = json.loads(path.read_text())["records"]
+    assert [(r["kernel"], r["path"]) for r in records] == [("dw1", "tma"), ("dh", "pointer")]  # dH has one path
+
+
+def test_an_unknown_path_is_named():
+    import bench.triton_gemm_ab as b
+    with pytest.raises(ValueError, match="--paths gpu"):
+        b.main(["--paths", "gpu", "--device", "cpu"])
