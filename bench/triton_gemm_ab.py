@@ -8,7 +8,8 @@ slower (bench/results/2026-11-28-h200-triton_gemm_ab-bwd-3a3a37f.json).
 
 The products: the forward's up-projection (H, A) and down-projection Y = A W2_e^T; the backward's dH (dA' = dO W2_e
 and its dSwiGLU epilogue), dX~ = dH W1_e and the weight gradients dW2_e = dO[pi_e]^T A'_e and dW1_e = dH_e^T X[pi_e].
-Each record: config, kernel, path, tile config, do_bench median ms and TFLOPS, and the max error against a torch
+Each record: config, kernel, path, tile config, round (--rounds N times each, in an order rotated by one each
+round: the GPU's clock drifts over a sweep), do_bench median ms and TFLOPS, and the max error against a torch
 product of the same bf16 operands (fp32 accumulation; for the up-projection, of H; for dH, of dH after the
 dSwiGLU). Routing: a random top-K plan. Writes bench/results/<date>-<device>-triton_gemm_ab.json.
 """
@@ -48,9 +49,13 @@ def main(argv=None):
                          "sonic/kernels/triton/tuning.py, of both paths)")
     ap.add_argument("--products", default=PRODUCTS, help=f"which products (default {PRODUCTS})")
     ap.add_argument("--paths", default="pointer,tma", help="which kernels: pointer, tma or both (default both)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every run this many times, each round in an order rotated by one (default 1)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1 (tests)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        raise ValueError(f"--rounds {args.rounds}: at least 1")
     if set(args.paths.split(",")) - {"pointer", "tma"}:
         raise ValueError(f"--paths {args.paths}: choose pointer, tma or pointer,tma")
     paths = [p == "tma" for p in dict.fromkeys(args.paths.split(","))]
@@ -109,23 +114,28 @@ def main(argv=None):
             run, product, flops = products[kernel]
             ref = product()
             tiles = given or dict.fromkeys(c for name in tuned[kernel] for c in tuning.CANDIDATES[name])
-            for cfg in tiles:
-                for tma in paths if len(tuned[kernel]) > 1 else [False]:  # dH has the pointer path only
+            runs = [(cfg, tma) for cfg in tiles for tma in (paths if len(tuned[kernel]) > 1 else [False])]  # dH: pointer
+            failed = set()
+            for rnd in range(args.rounds):  # each round starts one run later, so no run always goes first
+                for cfg, tma in runs[rnd % len(runs):] + runs[:rnd % len(runs)]:
+                    if (cfg, tma) in failed:
+                        continue
                     rec = {"config": name, "shape": [T, D, N, E, K], "kernel": kernel,
-                           "path": "tma" if tma else "pointer", "tile": str(cfg)}
+                           "path": "tma" if tma else "pointer", "tile": str(cfg), "round": rnd}
                     try:
                         with forced(function, tuning, cfg, tma):
                             out = run()
                             err = (out.float() - ref).abs().max().item()
                             ms = do_bench(run, warmup=10, rep=60, return_mode="median") if dev.type == "cuda" else None
                     except triton.runtime.errors.OutOfResources as exc:  # a tile too large for this GPU: say so, go on
+                        failed.add((cfg, tma))
                         records.append({**rec, "error": str(exc)})
                         print(f"{name:>8} {kernel:>4} {rec['path']:>7} {cfg} out of resources: {exc}", flush=True)
                         continue
                     rec.update(ms=ms, tflops=flops / ms / 1e9 if ms else None, max_err=err)
                     records.append(rec)
                     timed = "" if ms is None else f"{ms:.3f} ms {rec['tflops']:.0f} TF "
-                    print(f"{name:>8} {kernel:>4} {rec['path']:>7} {cfg} {timed}err {err:.3g}", flush=True)
+                    print(f"{name:>8} {kernel:>4} r{rnd} {rec['path']:>7} {cfg} {timed}err {err:.3g}", flush=True)
     path = write_json(result_path("triton_gemm_ab", args.json), {"dtype": str(dtype), "records": records})
     print(f"wrote {path}")
     return path

@@ -27,13 +27,16 @@ def test_paths_picks_the_kernels(tmp_path):
     call = ("from tests.helpers import patch_triton_interpreter; patch_triton_interpreter(); "
             "import bench.triton_gemm_ab as b; "
             f"b.main(['--configs', '', '--shape', '40,64,48,3,2', '--tiles', '16x32x16x4x1', '--products', 'dw1,dh', "
-            f"'--paths', 'tma', '--device', 'cpu', '--json', {str(path)!r}]); print('ab ok')")
+            f"'--paths', 'tma', '--rounds', '2', '--device', 'cpu', '--json', {str(path)!r}]); print('ab ok')")
     run_in_triton_interpreter(call, "ab ok")
     records = json.loads(path.read_text())["records"]
-    assert [(r["kernel"], r["path"]) for r in records] == [("dw1", "tma"), ("dh", "pointer")]  # dH has one path
+    assert [(r["kernel"], r["path"], r["round"]) for r in records] == [
+        ("dw1", "tma", 0), ("dw1", "tma", 1), ("dh", "pointer", 0), ("dh", "pointer", 1)]  # dH has one path
 
 
-def test_an_unknown_path_is_named():
+def test_bad_arguments_are_named():
     import bench.triton_gemm_ab as b
     with pytest.raises(ValueError, match="--paths gpu"):
         b.main(["--paths", "gpu", "--device", "cpu"])
+    with pytest.raises(ValueError, match="--rounds 0"):
+        b.main(["--rounds", "0", "--device", "cpu"])
