@@ -665,10 +665,11 @@ TABLES = (
           "TMA kernels (the down-projection and dX~ with both operands by TMA, persistent, `2837c0a`; the "
           "up-projection's W1 by TMA too, `d4ef3ca`; dW1 and dW2 with their contiguous operand by TMA, `c2c51c4`; dH as "
           "one 128-wide dot per tile, its epilogue by column quarters, `3ddb28a`; dH's H slab prefetched into L2 and 5 "
-          "stages, `e416fb3`), interleaved with the official layer as above, seven rounds, one H200 each (`bash bench/gpu.sh block` with "
+          "stages, `e416fb3`; dW1 in 256 x 128 tiles of 32-row steps at 7 stages, `2fef210`, run at `03559dc`, the same "
+          "sonic/), interleaved with the official layer as above, seven rounds, one H200 each (`bash bench/gpu.sh block` with "
           "`BLOCK_ARGS=\"--configs 30B,7B,120B --backends triton --compile only --rounds 7\"`, the official layer's "
           "autotune cache carried in; at `c2c51c4` two calls on one machine, 30B and 120B with a cold cache, then "
-          "7B; at `3ddb28a` likewise, the cache carried in; at `e416fb3` the three in one call), beside the full table's triton rows (`c9ddd54`, before them). The official layer's f+b TFLOPS column "
+          "7B; at `3ddb28a` likewise, the cache carried in; at `e416fb3` and `03559dc` the three in one call), beside the full table's triton rows (`c9ddd54`, before them). The official layer's f+b TFLOPS column "
           "moves between calls and the × with it; Sonic's own f+b TFLOPS column is the steadier reading.",
           rows=tuple(Row(f"{config}, triton+compile, {commit}", file, {"config": config, "backend": "triton+compile"})
                      for config in ("7B", "30B", "120B")
@@ -679,7 +680,8 @@ TABLES = (
                                                       + ("-7B.json" if config == "7B" else ".json")),
                                           ("3ddb28a", "bench/results/2026-11-28-h200-moe_block-triton-dh1dot"
                                                       + ("-7B.json" if config == "7B" else ".json")),
-                                          ("e416fb3", "bench/results/2026-11-28-h200-moe_block-triton-dhpf.json"))
+                                          ("e416fb3", "bench/results/2026-11-28-h200-moe_block-triton-dhpf.json"),
+                                          ("03559dc", "bench/results/2026-11-28-h200-moe_block-triton-dw1.json"))
                      if config == "30B" or commit != "2837c0a"),
           columns=BLOCK_COLUMNS),
     Table("block_h200_all", first="config, backend", caption="All twelve Table 9b configs: the MoE block as "
