@@ -7,14 +7,18 @@ import pytest
 from tests.helpers import run_in_triton_interpreter
 
 
-def test_both_paths_match_the_torch_product(tmp_path):
+def _records(tmp_path, *args: str) -> list[dict]:
+    """bench.triton_gemm_ab's records for a small shape, run in the interpreter with these extra arguments."""
     path = tmp_path / "ab.json"
+    argv = ["--configs", "", "--shape", "40,64,48,3,2", "--device", "cpu", "--json", str(path), *args]
     call = ("from tests.helpers import patch_triton_interpreter; patch_triton_interpreter(); "
-            "import bench.triton_gemm_ab as b; "
-            f"b.main(['--configs', '', '--shape', '40,64,48,3,2', '--tiles', '16x32x16x4x1,32x32x16x4x1', "
-            f"'--device', 'cpu', '--json', {str(path)!r}]); print('ab ok')")
+            f"import bench.triton_gemm_ab as b; b.main({argv!r}); print('ab ok')")
     run_in_triton_interpreter(call, "ab ok")
-    records = json.loads(path.read_text())["records"]
+    return json.loads(path.read_text())["records"]
+
+
+def test_both_paths_match_the_torch_product(tmp_path):
+    records = _records(tmp_path, "--tiles", "16x32x16x4x1,32x32x16x4x1")
     assert {(r["kernel"], r["path"], r["tile"]) for r in records} == {
         (k, p, t) for k in ("up", "down", "dxt", "dh", "dw1", "dw2") for p in ("pointer", "tma")
         for t in ("Config(bm=16, bn=32, bk=16, warps=4, stages=1)", "Config(bm=32, bn=32, bk=16, warps=4, stages=1)")
@@ -22,16 +26,13 @@ def test_both_paths_match_the_torch_product(tmp_path):
     assert all(r["max_err"] < 1e-4 and r["ms"] is None for r in records), records
 
 
-def test_paths_picks_the_kernels(tmp_path):
-    path = tmp_path / "ab.json"
-    call = ("from tests.helpers import patch_triton_interpreter; patch_triton_interpreter(); "
-            "import bench.triton_gemm_ab as b; "
-            f"b.main(['--configs', '', '--shape', '40,64,48,3,2', '--tiles', '16x32x16x4x1', '--products', 'dw1,dh', "
-            f"'--paths', 'tma', '--rounds', '2', '--device', 'cpu', '--json', {str(path)!r}]); print('ab ok')")
-    run_in_triton_interpreter(call, "ab ok")
-    records = json.loads(path.read_text())["records"]
-    assert [(r["kernel"], r["path"], r["round"]) for r in records] == [
-        ("dw1", "tma", 0), ("dw1", "tma", 1), ("dh", "pointer", 0), ("dh", "pointer", 1)]  # dH has one path
+def test_paths_and_rounds_pick_the_runs(tmp_path):
+    records = _records(tmp_path, "--tiles", "16x32x16x4x1,32x32x16x4x1", "--products", "dw1,dh", "--paths", "tma",
+                       "--rounds", "2")
+    # each round starts one run later; dH has one path
+    assert [(r["kernel"], r["path"], r["round"], r["tile"][10:12]) for r in records] == [
+        ("dw1", "tma", 0, "16"), ("dw1", "tma", 0, "32"), ("dw1", "tma", 1, "32"), ("dw1", "tma", 1, "16"),
+        ("dh", "pointer", 0, "16"), ("dh", "pointer", 0, "32"), ("dh", "pointer", 1, "32"), ("dh", "pointer", 1, "16")]
 
 
 def test_bad_arguments_are_named():
