@@ -52,7 +52,8 @@ def result_path(what: str, explicit: str | None = None) -> Path:
 def git_commit() -> str:
     """The commit this tree is: $SONIC_COMMIT where it is set (the GPU machine gets a copy of the working tree,
     and a .git it may carry is not the copy's: one recorded the session's first commit for every run); else
-    git's short HEAD where this checkout is a git repository; else "unknown"."""
+    git's short HEAD where this checkout is a git repository, with "+modified" when tracked files differ from it
+    (so a copy whose .git is stale, or a run before a commit, never passes for HEAD); else "unknown"."""
     if os.environ.get("SONIC_COMMIT"):
         return os.environ["SONIC_COMMIT"]
     try:
@@ -61,9 +62,10 @@ def git_commit() -> str:
         top, head = proc.stdout.split() if proc.returncode == 0 else ("", "")
     except (OSError, ValueError):  # no git here, or not the two lines asked for
         top, head = "", ""
-    if top and Path(top).resolve() == REPO:  # not the commit of some repository around a copy
-        return head
-    return "unknown"
+    if not top or Path(top).resolve() != REPO.resolve():  # no git, or some repository around a copy
+        return "unknown"
+    modified = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=REPO, capture_output=True).returncode != 0
+    return head + ("+modified" if modified else "")
 
 
 def write_json(path: Path, payload: dict) -> Path:

@@ -54,7 +54,8 @@
 #          here (mkdir -p .quack_cache && tar -xzf <returned>/quack_cache-h100.tar.gz -C .quack_cache)
 #          and carry .quack_cache in the later calls: the tuning is then paid once per GPU kind
 # Every file a stage writes under bench/results or docs/repro is also copied to $OUT/results (the machine's tree
-# is replaced by the next call's). The machine's copy has no .git: name the commit for the result files
+# is replaced by the next call's). The machine's copy has no .git of its own (one it carries is an earlier
+# call's, so result files then record <that HEAD>+modified): name the commit for the result files
 # (bench.common.write_json records it)
 #   SONIC_COMMIT=<git rev-parse --short HEAD, run here> bash bench/gpu.sh STAGE
 set -uo pipefail

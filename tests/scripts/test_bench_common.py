@@ -1,6 +1,6 @@
 """bench.common.write_json records the commit the numbers were measured at: $SONIC_COMMIT where it is set (the
-GPU machine's copy of the tree may carry a stale .git), else git's HEAD in a checkout, else "unknown"; a
-payload's own wins."""
+GPU machine's copy of the tree may carry a stale .git), else git's HEAD in a checkout (HEAD+modified where tracked
+files differ from it), else "unknown"; a payload's own wins."""
 import json
 import shutil
 import subprocess
@@ -27,12 +27,24 @@ def written(tmp_path, payload=None) -> dict:
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-def test_a_checkout_records_its_head(tmp_path, monkeypatch):
-    monkeypatch.delenv("SONIC_COMMIT", raising=False)
-    monkeypatch.delenv("OUT", raising=False)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=common.REPO, capture_output=True,
-                          text=True, check=True).stdout.strip()
+def test_a_checkout_records_its_head_and_whether_its_files_differ(tmp_path, monkeypatch, no_git_here):
+    """A checkout records its HEAD; with tracked files changed since (a run before its commit, or the GPU machine's
+    copy of a newer tree beside a stale .git) it records HEAD+modified, which names no commit."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "kernel.py").write_text("a = 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.email=a@b", "-c", "user.name=a"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "kernel.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "first"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    monkeypatch.setattr(common, "REPO", repo)
     assert written(tmp_path)["commit"] == head
+    (repo / "untracked.txt").write_text("not the tree's\n")  # untracked files are not the tree
+    assert written(tmp_path)["commit"] == head
+    (repo / "kernel.py").write_text("a = 2\n")
+    assert written(tmp_path)["commit"] == f"{head}+modified"
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
