@@ -58,6 +58,11 @@
 # call's, so result files then record <that HEAD>+modified): name the commit for the result files
 # (bench.common.write_json records it)
 #   SONIC_COMMIT=<git rev-parse --short HEAD, run here> bash bench/gpu.sh STAGE
+#   .cute_cache  the cute kernels' compiled object files (SONIC_CUTE_CACHE_DIR, keyed by shape class, SM count, DSL
+#          version and a hash of the kernel sources; optional). A fresh machine compiles every cute kernel the
+#          tests and the smoke use (minutes); after a stage that compiles them, those of this tree's sources come
+#          back as $OUT/cute_cache.tar.gz: unpack it here (rm -rf .cute_cache && mkdir .cute_cache && tar -xzf
+#          <returned>/cute_cache.tar.gz -C .cute_cache) and carry .cute_cache while the cute sources stay as they are
 set -uo pipefail
 export PYTHONUNBUFFERED=1 SONIC_CUTE_CACHE_DIR=/root/.cache/sonic/cute
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast here
@@ -74,6 +79,20 @@ SITE="/tmp/site"
 export PYTHONPATH=".:$SITE:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee -a "$OUT/gpu.txt"
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/steps.log"; }
+if [ -d .cute_cache ]; then  # carried in: a file of other sources or another SM count is never looked up
+  mkdir -p "$SONIC_CUTE_CACHE_DIR" && cp -n .cute_cache/*.o "$SONIC_CUTE_CACHE_DIR"/ 2>/dev/null
+  log "cute compile cache: $(find .cute_cache -name '*.o' | wc -l) object files carried in"
+fi
+
+pack_cute_cache() {  # the object files of this tree's cute sources, to carry into the next fresh machine
+  local hash files
+  [ -d "$SONIC_CUTE_CACHE_DIR" ] || return 0
+  hash=$(python3 -c "from sonic.kernels.cute.ops import _source_hash; print(_source_hash())" 2>/dev/null) || return 0
+  mapfile -t files < <(find "$SONIC_CUTE_CACHE_DIR" -maxdepth 1 -name "*_$hash.o" -printf '%f\n')
+  [ "${#files[@]}" -gt 0 ] || return 0
+  tar -czf "$OUT/cute_cache.tar.gz" -C "$SONIC_CUTE_CACHE_DIR" "${files[@]}" \
+    && log "cute compile cache: ${#files[@]} object files, $(du -h "$OUT/cute_cache.tar.gz" | cut -f1), $OUT/cute_cache.tar.gz"
+}
 
 run_stage() {
   case "$1" in
@@ -175,5 +194,6 @@ for stage in "${@:?name at least one stage}"; do
     mkdir -p "$OUT/results" && cp "${written[@]}" "$OUT/results/" && log "returned under \$OUT/results: ${written[*]}"
   fi
   rm -f "$marker"
+  case "$stage" in smoke|tests|fuzz|block|cute) pack_cute_cache ;; esac
   log "stage $stage rc=$rc"
 done
