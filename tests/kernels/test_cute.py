@@ -254,8 +254,9 @@ def test_gather_sum_compiles_without_a_gpu(weighted, monkeypatch):
 @pytest.mark.gpu
 @needs_cute
 def test_direct_and_staged_stores_write_the_same_bits():
-    """Every kernel with a register-direct store (up, down, dX~, dW1, dW2 at their default configs) against the same
-    config staged ("s"), partial tiles and experts without rows included: bit for bit, every output written."""
+    """Every kernel with a register-direct store (up, down, dH, dX~, dW1, dW2 at their default configs) against the
+    same config staged ("s"), partial tiles and experts without rows included: bit for bit, every output written (dH's
+    dS partials too)."""
     from sonic.kernels.cute import ops
     T, D, N, E, K = SHAPES[1]
     plan = make_plan(T, E, K, "empty", seed=5)
@@ -266,16 +267,21 @@ def test_direct_and_staged_stores_write_the_same_bits():
     dh = torch.randn(R, 2 * N, device="cuda", generator=g).bfloat16()
     act = torch.randn(R, N, device="cuda", generator=g).bfloat16()
     dout = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    h = torch.randn(R, 2 * N, device="cuda", generator=g).bfloat16()
+    s = torch.rand(R, device="cuda", generator=g)
+    n_tiles = -(-N // ops.dh_tile_n(D, N))
 
     def run(suffix):
-        cfg = {k: str(ops.default_config(k, D, N)) + suffix for k in ("up", "down", "dx", "dw1", "dw2")}
+        cfg = {k: str(ops.default_config(k, D, N)) + suffix for k in ("up", "down", "dh", "dx", "dw1", "dw2")}
+        ds_out = torch.full((n_tiles, R), float("nan"), device="cuda")
         return (*ops.up_proj(x, w1, tok, off, cfg=cfg["up"], out=(poisoned(R, 2 * N), poisoned(R, N))),
                 ops.down_proj(act, w2, off, tok, cfg=cfg["down"], out=poisoned(R, D)),
+                *ops.dh(dout, w2, h, s, tok, off, cfg=cfg["dh"], out=(poisoned(R, 2 * N), poisoned(R, N), ds_out)),
                 ops.dx_rows(dh, w1, off, tok, cfg=cfg["dx"], out=poisoned(R, D)),
                 ops.dw1(dh, x, tok, off, E, cfg=cfg["dw1"], out=poisoned(E, 2 * N, D)),
                 ops.dw2(dout, act, tok, off, E, cfg=cfg["dw2"], out=poisoned(E, D, N)))
 
-    for name, direct, staged in zip(("H", "A", "Y", "dX~", "dW1", "dW2"), run(""), run("s")):
+    for name, direct, staged in zip(("H", "A", "Y", "dH", "A'", "dS", "dX~", "dW1", "dW2"), run(""), run("s")):
         assert torch.equal(direct, staged), name  # NaN (an unwritten element) never equals itself
 
 

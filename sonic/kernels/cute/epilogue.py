@@ -344,3 +344,98 @@ class DSwiGLUEpilogue:
             v += cute.arch.shuffle_sync_bfly(v, 2)
             if lane % 4 == 0 and rows[q] < ctx.length:
                 mDS[ctx.nt, ctx.start + rows[q]] = v
+
+
+class DirectDSwiGLUEpilogue(DSwiGLUEpilogue):
+    """DSwiGLUEpilogue's dH and A' stored from registers, as DirectStoreEpilogue stores C (needs tile_n % 32 == 0);
+    same args, same values, same dS partials.
+
+    Per group of 4 blocks of 8 accumulator columns: a register pair (columns c, c + 1) makes 4 dH columns
+    (2c .. 2c + 3: gate/up of c, then of c + 1) and 2 A' columns. Packing the first two dH values of each pair into
+    one word and the last two into another, two quad transposes give lane q all 16 dH columns of block 4g + q (two
+    16-byte stores), and one more gives it A''s 8 columns of that block, as C's. H for the next group is loaded while
+    this one is computed and stored. The staging tiles' shared memory (64 KiB for a ping-pong pp128) goes to the
+    ring's stages instead."""
+
+    def smem_elems(self, spec) -> int:
+        return 64  # unused: a shared-storage member cannot be empty
+
+    @cute.jit
+    def apply(self, ctx):
+        bn = ctx.spec.tile_n
+        assert bn % 32 == 0, "the quad transposes take 4 blocks of 8 columns at a time"
+        mH, mS, mDH, mAp, mDS = ctx.args
+        dt = mDH.element_type
+        col0 = ctx.nt * bn
+        gH = cute.domain_offset((ctx.start, 2 * col0), mH)
+        gDH = cute.domain_offset((ctx.start, 2 * col0), mDH)
+        gAp = cute.domain_offset((ctx.start, col0), mAp)
+        dh_valid = mDH.shape[1] - 2 * col0
+        ap_valid = mAp.shape[1] - col0
+        last = ctx.length - 1
+        q = cute.arch.lane_idx() % 4
+        rows = list(ctx.rows())  # slot s = 2 * mm + v1, as DSwiGLUEpilogue numbers them
+        slots = len(rows)
+        score = cute.make_rmem_tensor((slots,), Float32)
+        ds = cute.make_rmem_tensor((slots,), Float32)
+        for s in cutlass.range_constexpr(slots):
+            score[s] = mS[ctx.start + cutlass.min(rows[s][1], last)]
+            ds[s] = Float32(0.0)
+
+        def load_h(g):
+            """The H values behind each of this thread's pairs in blocks 4g .. 4g + 3, per slot."""
+            regs = []
+            for i0, row in rows:
+                for k in cutlass.range_constexpr(4):
+                    # clamp to a valid row / column group: those values only feed masked stores
+                    hcol = cutlass.min(2 * (col0 + 8 * (4 * g + k) + 2 * q), mH.shape[1] - 4) - 2 * col0
+                    src = _aligned(cute.local_tile(gH[cutlass.min(row, last), None], (4,), (hcol // 4,)), 8)
+                    h = cute.make_rmem_tensor((4,), mH.element_type)
+                    cute.autovec_copy(src, h)
+                    regs.append(h)
+            return regs
+
+        h_next = load_h(0)
+        for g in cutlass.range_constexpr(bn // 32):
+            h_cur = h_next
+            if const_expr(g + 1 < bn // 32):
+                h_next = load_h(g + 1)  # in flight while group g is computed and stored
+            for s in cutlass.range_constexpr(slots):
+                i0, row = rows[s]
+                lo_words, hi_words, ap_words = [], [], []
+                for k in cutlass.range_constexpr(4):
+                    h = h_cur[4 * s + k]
+                    dh_vals, ap_vals = [], []
+                    for e in cutlass.range_constexpr(2):
+                        gate = h[2 * e].to(Float32)
+                        up = h[2 * e + 1].to(Float32)
+                        sig = _sigmoid(gate)
+                        silu = gate * sig
+                        a = silu * up
+                        da_prime = ctx.acc[i0 + 4 * (4 * g + k) + e]
+                        ds[s] += da_prime * a
+                        da = score[s] * da_prime
+                        dh_vals.append((da * up * (sig + silu * (1.0 - sig)), da * silu))
+                        ap_vals.append(score[s] * a)
+                    lo_words.append(_pack(dh_vals[0][0], dh_vals[0][1], dt))
+                    hi_words.append(_pack(dh_vals[1][0], dh_vals[1][1], dt))
+                    ap_words.append(_pack(ap_vals[0], ap_vals[1], dt))
+                lo = _quad_transpose(lo_words, q)  # lo[l]: dH columns 4l, 4l + 1 of block 4g + q
+                hi = _quad_transpose(hi_words, q)  # hi[l]: dH columns 4l + 2, 4l + 3
+                ap = _quad_transpose(ap_words, q)
+                ok = row < ctx.length
+                dcol = 16 * (4 * g + q)
+                if ok and dcol < dh_valid:
+                    _store16(gDH, row, dcol, [lo[0], hi[0], lo[1], hi[1]], dt)
+                if ok and dcol + 8 < dh_valid:
+                    _store16(gDH, row, dcol + 8, [lo[2], hi[2], lo[3], hi[3]], dt)
+                acol = 8 * (4 * g + q)
+                if ok and acol < ap_valid:
+                    _store16(gAp, row, acol, ap, dt)
+        lane = cute.arch.lane_idx()
+        for s in cutlass.range_constexpr(slots):
+            v = ds[s]
+            v += cute.arch.shuffle_sync_bfly(v, 1)
+            v += cute.arch.shuffle_sync_bfly(v, 2)
+            if lane % 4 == 0 and rows[s][1] < ctx.length:
+                mDS[ctx.nt, ctx.start + rows[s][1]] = v

@@ -31,8 +31,8 @@ from cutlass.cute.runtime import make_fake_tensor
 from cutlass.runtime import make_fake_stream
 
 from sonic.kernels.cute.aggregate import GatherSum, default_max_per_lane
-from sonic.kernels.cute.epilogue import (DirectStoreEpilogue, DirectSwiGLUEpilogue, DSwiGLUEpilogue, StoreEpilogue,
-                                         SwiGLUEpilogue)
+from sonic.kernels.cute.epilogue import (DirectDSwiGLUEpilogue, DirectStoreEpilogue, DirectSwiGLUEpilogue,
+                                         DSwiGLUEpilogue, StoreEpilogue, SwiGLUEpilogue)
 from sonic.kernels.cute.gemm import GemmSpec, GroupedGemm
 
 _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
@@ -202,7 +202,7 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
         args = (_fake(dt, (R, D), (D, 1)),)
     elif kind == "dh":  # dA' = dO[idx] W2, fused dSwiGLU
         spec = GemmSpec("m", "a", E, tile_n=tile_n, epi_n=16, pingpong=pp, num_sms=sms)
-        epi = DSwiGLUEpilogue()
+        epi = DirectDSwiGLUEpilogue() if not cfg.staged and tile_n % 32 == 0 else DSwiGLUEpilogue()
         a = _fake(dt, (T, D), (D, 1))
         b = _fake(dt, (N, D, E), (1, N, D * N))
         n_tiles = (N + tile_n - 1) // tile_n
