@@ -684,6 +684,19 @@ TABLES = (
                                           ("03559dc", "bench/results/2026-11-28-h200-moe_block-triton-dw1.json"))
                      if config == "30B" or commit != "2837c0a"),
           columns=BLOCK_COLUMNS),
+    Table("block_h200_cute_dh", first="config, backend, commit", caption="The cute backend's block after dH's "
+          "register-direct store (`b5b0154`: DirectDSwiGLUEpilogue, dH alone 0.955 of the staged time at 30B and 0.934 "
+          "at 7B, `bench/results/2026-11-28-h200-cute-dh-direct-ab.json`), interleaved with the official layer as "
+          "above, seven rounds, one H200, one call with the official layer's autotune cache carried in (`bash "
+          "bench/gpu.sh block` with `BLOCK_ARGS=\"--configs 30B,120B,7B --backends cute --compile only --rounds 7\"`), "
+          "beside the full table's cute rows (`c9ddd54`, before it). In this call the official layer's 7B f+b ran at "
+          "244 TFLOPS, against 337-386 in the other calls of these tables: its 7B × reads that slow official run; "
+          "Sonic's own f+b TFLOPS column is the steadier reading.",
+          rows=tuple(Row(f"{config}, cute+compile, {commit}", file, {"config": config, "backend": "cute+compile"})
+                     for config in ("7B", "30B", "120B")
+                     for commit, file in (("c9ddd54", "bench/results/2026-11-26-h200-moe_block.json"),
+                                          ("b5b0154", "bench/results/2026-11-28-h200-moe_block-cute-dhdirect.json"))),
+          columns=BLOCK_COLUMNS),
     Table("block_h200_all", first="config, backend", caption="All twelve Table 9b configs: the MoE block as "
           "`sonic_7b` builds it (router with its input centring and logit norm, routing, experts, combine; bf16 "
           "autocast, compiled as the trainer runs it) on both kernel backends, each interleaved with the official "
