@@ -7,7 +7,7 @@ cooperative tile) and column c0 + v0 + 8*nb, with (r0, c0) the thread's first co
 Registers 2j and 2j+1 are therefore adjacent columns of one row, which is what makes the
 interleaved gate/up SwiGLU layout thread-local. The staged epilogues read rows and columns from
 the identity fragment, never from this formula; the direct ones (DirectStoreEpilogue,
-DirectSwiGLUEpilogue) take rows from it but rely on the formula's columns, c0 = 2 * (lane % 4):
+DirectSwiGLUEpilogue, DirectDSwiGLUEpilogue) take rows from it but rely on the formula's columns, c0 = 2 * (lane % 4):
 the 4 lanes of a quad share a row and hold its 8-column blocks between them, which their
 transposes regroup (the staged-vs-direct test compares the two bit for bit).
 

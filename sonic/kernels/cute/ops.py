@@ -121,8 +121,8 @@ class Config:
     "co128m256": cooperative 256x128 tiles, 128 rows per warpgroup; only the kernels whose A is TMA-loaded
     (down, dx, dw1). Against co256 it moves a tile's loads from B to A: dw1 gathers half the B rows per MMA.
     A trailing "s" (e.g. "pp192c2s") stages the tile through shared memory on its way out, as every kernel did
-    before the register-direct stores (epilogue.DirectStoreEpilogue, DirectSwiGLUEpilogue): dH always does, and
-    so do widths the direct stores cannot take (not a multiple of 32; of 64 for the up-projection)."""
+    before the register-direct stores (epilogue.DirectStoreEpilogue, DirectSwiGLUEpilogue, DirectDSwiGLUEpilogue),
+    and so do widths the direct stores cannot take (not a multiple of 32; of 64 for the up-projection)."""
     tile_n: int
     pingpong: bool
     cluster: int = 1

@@ -61,10 +61,10 @@ CANDIDATES: dict[str, tuple[Config, ...]] = {
     # num_stages - 2 operand buffers there, hence the deeper stage counts
     "dw": (Config(128, 128, 64, 8, 5), Config(128, 256, 64, 8, 5), Config(128, 128, 64, 8, 4),
            Config(128, 256, 64, 8, 4)),
-    # the contiguous operand (dH for dW1, A' for dW2) by TMA (gemm.varlen_k_tma_kernel): the first of each was the
+    # the contiguous operand (dH for dW1, A' for dW2) by TMA (gemm.varlen_k_tma_kernel): dW2's first tile was the
     # fastest of five tiles at 30B's and sonic_7b's shapes on an H200, by both paths
     # (`python -m bench.triton_gemm_ab --products dh,dw1,dw2`: bench/results/2026-11-28-h200-triton_gemm_ab-bwd-3a3a37f.json).
-    # dW1's 256 rows of dH (by TMA) to 128 gathered X columns, 32-row steps so that 7 stages fit: 11-14% faster than
+    # dW1's 256 rows of dH (by TMA) to 128 gathered X columns, 32-row steps so that 7 stages fit: 11-14% less time than
     # 128 x 128 x 64 at 30B's, 120B's and sonic_7b's shapes (H200, four rotated rounds:
     # bench/results/2026-11-28-h200-triton-dw1-tiles-ab.json; 8 stages compiles to the same kernel on sm_90, 182
     # registers, no spills); the gathered operand stays 128 wide, so its pointer loads stay few per thread
