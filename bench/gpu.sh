@@ -5,7 +5,11 @@
 # Stages (each writes its log, and its JSON where it has one, under $OUT):
 #   smoke      what every change to sonic/ is proven with: every GPU test, then the trainer on sonic_7b cut to
 #              16 layers for 30 steps per kernel backend (python -m bench.smoke; $SONIC_COMMIT names the commit
-#              when the machine has no .git); writes bench/results/<date>-<gpu>-smoke.json
+#              when the machine has no .git); writes bench/results/<date>-<gpu>-smoke.json. On a fresh machine
+#              the GPU tests compile every triton kernel cold and ran past a 330 s --tests-timeout even with the
+#              cute cache carried in: run `TESTS="tests/kernels" bash bench/gpu.sh tests` first on the same warm
+#              machine (the next call within 30 s), and carry .gpu/b in every call that needs cute (a released
+#              machine starts bare)
 #   tests      every GPU test (pytest $TESTS -m gpu; TESTS defaults to tests)
 #   levers     per-lever step throughput, sonic_7b cut to $LAYERS layers (python -m bench.levers)
 #   profile    the real trainer's 40-layer sonic_7b step under torch.profiler: where the GPU idles and why
