@@ -104,7 +104,14 @@ class StoreEpilogue:
             _copy_out(ctx, sC, cute.domain_offset((0, j * en), gC), rows_valid, cols_valid - j * en)
 
 
-class DirectStoreEpilogue(StoreEpilogue):
+class _FromRegisters:
+    """A register-direct epilogue: no staging tiles, so the ring gets the shared memory."""
+
+    def smem_elems(self, spec) -> int:
+        return 64  # unused: a shared-storage member cannot be empty
+
+
+class DirectStoreEpilogue(_FromRegisters, StoreEpilogue):
     """StoreEpilogue's C stored from registers, with no shared memory and no barrier (down-projection Y, dX~, dW1,
     dW2; args as StoreEpilogue's).
 
@@ -113,9 +120,6 @@ class DirectStoreEpilogue(StoreEpilogue):
     columns of one block, which it stores in 16 bytes: a warp writes 8 rows x 64 bytes, as the staged copy-out did,
     without its shared-memory round trip, which cost the down-projection 13-21% at n = 512
     (bench/results/2026-11-26-h200-down-epilogue-diag.json). Needs tile_n % 32 == 0."""
-
-    def smem_elems(self, spec) -> int:
-        return 64  # unused: a shared-storage member cannot be empty
 
     @cute.jit
     def apply(self, ctx):
@@ -209,7 +213,7 @@ class SwiGLUEpilogue:
                       mAct.shape[1] - col0 // 2 - j * en // 2)
 
 
-class DirectSwiGLUEpilogue(SwiGLUEpilogue):
+class DirectSwiGLUEpilogue(_FromRegisters, SwiGLUEpilogue):
     """SwiGLUEpilogue's H and A stored from registers, as DirectStoreEpilogue stores C (needs tile_n % 64 == 0).
 
     H: each 4 blocks of 8 columns, one quad transpose, as C. A: a register pair (gate, up) makes one A value, so a
@@ -217,9 +221,6 @@ class DirectSwiGLUEpilogue(SwiGLUEpilogue):
     transpose gives lane q A columns 8q + m (low halves) and 8q + 4 + m (high halves) of the 32 those blocks
     cover, which one permutation of halves puts in order for a 16-byte store. A is computed from the
     bf16-rounded H, exactly as SwiGLUEpilogue (and the backward) computes it."""
-
-    def smem_elems(self, spec) -> int:
-        return 64  # unused: a shared-storage member cannot be empty
 
     @cute.jit
     def apply(self, ctx):
@@ -281,9 +282,7 @@ class DSwiGLUEpilogue:
         mH, mS, mDH, mAp, mDS = ctx.args
         dt = mDH.element_type
         col0 = ctx.nt * bn
-        gH = cute.domain_offset((ctx.start, 2 * col0), mH)
-        gDH = cute.domain_offset((ctx.start, 2 * col0), mDH)
-        gAp = cute.domain_offset((ctx.start, col0), mAp)
+        gH, gDH, gAp = _dh_tile_views(ctx, col0)
         last = ctx.length - 1
         # a thread's rows: slot 2*mm + v1 holds the row of registers (v1, mm)
         slots = 2 * cute.size(ctx.acc, mode=[1])
@@ -300,12 +299,7 @@ class DSwiGLUEpilogue:
             """Issue the H loads of sub-tile j (the 4 values behind each register pair)."""
             regs = []
             for i, r, c in ctx.pairs(j):
-                # clamp to a valid row / column group: those values only feed masked stores
-                hcol = cutlass.min(2 * (col0 + j * en + c), mH.shape[1] - 4) - 2 * col0
-                hrow = _aligned(cute.local_tile(gH[cutlass.min(r, last), None], (4,), (hcol // 4,)), 8)
-                h = cute.make_rmem_tensor((4,), mH.element_type)
-                cute.autovec_copy(hrow, h)
-                regs.append(h)
+                regs.append(_load_h4(mH, gH, r, last, col0, col0 + j * en + c))
             return regs
 
         h_next = load_h(0)
@@ -320,33 +314,19 @@ class DSwiGLUEpilogue:
                 q = 2 * (i // (bn // 2)) + (i // 2) % 2
                 h = h_cur[p_]
                 for k in cutlass.range_constexpr(2):
-                    gate = h[2 * k].to(Float32)
-                    up = h[2 * k + 1].to(Float32)
-                    sig = _sigmoid(gate)
-                    silu = gate * sig
-                    a = silu * up
-                    da_prime = ctx.acc[i + k]
-                    ds[q] += da_prime * a
-                    da = score[q] * da_prime
-                    sDH[r, 2 * (c + k)] = (da * up * (sig + silu * (1.0 - sig))).to(dt)
-                    sDH[r, 2 * (c + k) + 1] = (da * silu).to(dt)
+                    a, dgate, dup = _dswiglu(h, k, ctx.acc[i + k], score, ds, q)
+                    sDH[r, 2 * (c + k)] = dgate.to(dt)
+                    sDH[r, 2 * (c + k) + 1] = dup.to(dt)
                     sAp[r, c + k] = (score[q] * a).to(dt)
             ctx.barrier.arrive_and_wait()
             _copy_out(ctx, sDH, cute.domain_offset((0, 2 * j * en), gDH), ctx.length,
                       mDH.shape[1] - 2 * (col0 + j * en))
             _copy_out(ctx, sAp, cute.domain_offset((0, j * en), gAp), ctx.length,
                       mAp.shape[1] - col0 - j * en)
-        # the four lanes of a quad share a row: reduce, then one lane writes the partial
-        lane = cute.arch.lane_idx()
-        for q in cutlass.range_constexpr(slots):
-            v = ds[q]
-            v += cute.arch.shuffle_sync_bfly(v, 1)
-            v += cute.arch.shuffle_sync_bfly(v, 2)
-            if lane % 4 == 0 and rows[q] < ctx.length:
-                mDS[ctx.nt, ctx.start + rows[q]] = v
+        _store_ds(ctx, mDS, ds, rows)
 
 
-class DirectDSwiGLUEpilogue(DSwiGLUEpilogue):
+class DirectDSwiGLUEpilogue(_FromRegisters, DSwiGLUEpilogue):
     """DSwiGLUEpilogue's dH and A' stored from registers, as DirectStoreEpilogue stores C (needs tile_n % 32 == 0);
     same args, same values, same dS partials.
 
@@ -357,9 +337,6 @@ class DirectDSwiGLUEpilogue(DSwiGLUEpilogue):
     this one is computed and stored. The staging tiles' shared memory (64 KiB for a ping-pong pp128) goes to the
     ring's stages instead."""
 
-    def smem_elems(self, spec) -> int:
-        return 64  # unused: a shared-storage member cannot be empty
-
     @cute.jit
     def apply(self, ctx):
         bn = ctx.spec.tile_n
@@ -367,9 +344,7 @@ class DirectDSwiGLUEpilogue(DSwiGLUEpilogue):
         mH, mS, mDH, mAp, mDS = ctx.args
         dt = mDH.element_type
         col0 = ctx.nt * bn
-        gH = cute.domain_offset((ctx.start, 2 * col0), mH)
-        gDH = cute.domain_offset((ctx.start, 2 * col0), mDH)
-        gAp = cute.domain_offset((ctx.start, col0), mAp)
+        gH, gDH, gAp = _dh_tile_views(ctx, col0)
         dh_valid = mDH.shape[1] - 2 * col0
         ap_valid = mAp.shape[1] - col0
         last = ctx.length - 1
@@ -387,12 +362,7 @@ class DirectDSwiGLUEpilogue(DSwiGLUEpilogue):
             regs = []
             for i0, row in rows:
                 for k in cutlass.range_constexpr(4):
-                    # clamp to a valid row / column group: those values only feed masked stores
-                    hcol = cutlass.min(2 * (col0 + 8 * (4 * g + k) + 2 * q), mH.shape[1] - 4) - 2 * col0
-                    src = _aligned(cute.local_tile(gH[cutlass.min(row, last), None], (4,), (hcol // 4,)), 8)
-                    h = cute.make_rmem_tensor((4,), mH.element_type)
-                    cute.autovec_copy(src, h)
-                    regs.append(h)
+                    regs.append(_load_h4(mH, gH, row, last, col0, col0 + 8 * (4 * g + k) + 2 * q))
             return regs
 
         h_next = load_h(0)
@@ -407,15 +377,8 @@ class DirectDSwiGLUEpilogue(DSwiGLUEpilogue):
                     h = h_cur[4 * s + k]
                     dh_vals, ap_vals = [], []
                     for e in cutlass.range_constexpr(2):
-                        gate = h[2 * e].to(Float32)
-                        up = h[2 * e + 1].to(Float32)
-                        sig = _sigmoid(gate)
-                        silu = gate * sig
-                        a = silu * up
-                        da_prime = ctx.acc[i0 + 4 * (4 * g + k) + e]
-                        ds[s] += da_prime * a
-                        da = score[s] * da_prime
-                        dh_vals.append((da * up * (sig + silu * (1.0 - sig)), da * silu))
+                        a, dgate, dup = _dswiglu(h, e, ctx.acc[i0 + 4 * (4 * g + k) + e], score, ds, s)
+                        dh_vals.append((dgate, dup))
                         ap_vals.append(score[s] * a)
                     lo_words.append(_pack(dh_vals[0][0], dh_vals[0][1], dt))
                     hi_words.append(_pack(dh_vals[1][0], dh_vals[1][1], dt))
@@ -432,10 +395,48 @@ class DirectDSwiGLUEpilogue(DSwiGLUEpilogue):
                 acol = 8 * (4 * g + q)
                 if ok and acol < ap_valid:
                     _store16(gAp, row, acol, ap, dt)
-        lane = cute.arch.lane_idx()
-        for s in cutlass.range_constexpr(slots):
-            v = ds[s]
-            v += cute.arch.shuffle_sync_bfly(v, 1)
-            v += cute.arch.shuffle_sync_bfly(v, 2)
-            if lane % 4 == 0 and rows[s][1] < ctx.length:
-                mDS[ctx.nt, ctx.start + rows[s][1]] = v
+        _store_ds(ctx, mDS, ds, [row for _, row in rows])
+
+
+def _dh_tile_views(ctx, col0):
+    """H, dH and A' from this tile's first row and column on (H and dH hold 2 columns per accumulator column)."""
+    mH, _, mDH, mAp, _ = ctx.args
+    return (cute.domain_offset((ctx.start, 2 * col0), mH), cute.domain_offset((ctx.start, 2 * col0), mDH),
+            cute.domain_offset((ctx.start, col0), mAp))
+
+
+def _load_h4(mH: cute.Tensor, gH: cute.Tensor, row, last, col0, col) -> cute.Tensor:
+    """The 4 H values (gate, up of columns col and col + 1; gH starts at the tile's column col0) behind a register
+    pair, in one 8-byte load, clamped to a valid row and column group: those values only feed masked stores. A plain
+    helper, traced inline."""
+    hcol = cutlass.min(2 * col, mH.shape[1] - 4) - 2 * col0
+    src = _aligned(cute.local_tile(gH[cutlass.min(row, last), None], (4,), (hcol // 4,)), 8)
+    h = cute.make_rmem_tensor((4,), mH.element_type)
+    cute.autovec_copy(src, h)
+    return h
+
+
+def _dswiglu(h: cute.Tensor, e: int, da_prime, score: cute.Tensor, ds: cute.Tensor, q: int):
+    """Column e of a register pair, from the 4 H values behind the pair: A = silu(gate) * up and dH's (d gate, d up)
+    in fp32, with dA' * A added to the row's dS (slot q). A plain helper, traced inline."""
+    gate = h[2 * e].to(Float32)
+    up = h[2 * e + 1].to(Float32)
+    sig = _sigmoid(gate)
+    silu = gate * sig
+    a = silu * up
+    ds[q] += da_prime * a
+    da = score[q] * da_prime
+    return a, da * up * (sig + silu * (1.0 - sig)), da * silu
+
+
+@cute.jit
+def _store_ds(ctx, mDS: cute.Tensor, ds: cute.Tensor, rows: list):
+    """dS = <dA', A> per fragment row: the four lanes of a quad share a row, so reduce over the quad, then one lane
+    writes the tile's partial."""
+    lane = cute.arch.lane_idx()
+    for q in cutlass.range_constexpr(len(rows)):
+        v = ds[q]
+        v += cute.arch.shuffle_sync_bfly(v, 1)
+        v += cute.arch.shuffle_sync_bfly(v, 2)
+        if lane % 4 == 0 and rows[q] < ctx.length:
+            mDS[ctx.nt, ctx.start + rows[q]] = v
