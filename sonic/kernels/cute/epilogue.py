@@ -284,14 +284,8 @@ class DSwiGLUEpilogue:
         col0 = ctx.nt * bn
         gH, gDH, gAp = _dh_tile_views(ctx, col0)
         last = ctx.length - 1
-        # a thread's rows: slot 2*mm + v1 holds the row of registers (v1, mm)
-        slots = 2 * cute.size(ctx.acc, mode=[1])
-        rows = [ctx.tCcC[2 * (q % 2) + (bn // 2) * (q // 2)][0] for q in range(slots)]
-        score = cute.make_rmem_tensor((slots,), Float32)
-        ds = cute.make_rmem_tensor((slots,), Float32)
-        for q in cutlass.range_constexpr(slots):
-            score[q] = mS[ctx.start + cutlass.min(rows[q], last)]
-            ds[q] = Float32(0.0)
+        rows = [row for _, row in ctx.rows()]  # slot q = 2 * mm + v1 holds the row of registers (v1, mm)
+        score, ds = _row_scores(ctx, mS, rows, last)
         dh_elems = _staging_elems(bm, 2 * en)
         ap_elems = _staging_elems(bm, en)
 
@@ -351,11 +345,7 @@ class DirectDSwiGLUEpilogue(_FromRegisters, DSwiGLUEpilogue):
         q = cute.arch.lane_idx() % 4
         rows = list(ctx.rows())  # slot s = 2 * mm + v1, as DSwiGLUEpilogue numbers them
         slots = len(rows)
-        score = cute.make_rmem_tensor((slots,), Float32)
-        ds = cute.make_rmem_tensor((slots,), Float32)
-        for s in cutlass.range_constexpr(slots):
-            score[s] = mS[ctx.start + cutlass.min(rows[s][1], last)]
-            ds[s] = Float32(0.0)
+        score, ds = _row_scores(ctx, mS, [row for _, row in rows], last)
 
         def load_h(g):
             """The H values behind each of this thread's pairs in blocks 4g .. 4g + 3, per slot."""
@@ -403,6 +393,17 @@ def _dh_tile_views(ctx, col0):
     mH, _, mDH, mAp, _ = ctx.args
     return (cute.domain_offset((ctx.start, 2 * col0), mH), cute.domain_offset((ctx.start, 2 * col0), mDH),
             cute.domain_offset((ctx.start, col0), mAp))
+
+
+def _row_scores(ctx, mS: cute.Tensor, rows: list, last):
+    """Per slot (one of this thread's fragment rows): its routing score (a row past the expert's end reads the last
+    valid one; its results are never stored) and a zeroed dS accumulator. A plain helper, traced inline."""
+    score = cute.make_rmem_tensor((len(rows),), Float32)
+    ds = cute.make_rmem_tensor((len(rows),), Float32)
+    for q in range(len(rows)):  # unrolls as Python
+        score[q] = mS[ctx.start + cutlass.min(rows[q], last)]
+        ds[q] = Float32(0.0)
+    return score, ds
 
 
 def _load_h4(mH: cute.Tensor, gH: cute.Tensor, row, last, col0, col) -> cute.Tensor:
