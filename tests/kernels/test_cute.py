@@ -306,9 +306,12 @@ def test_every_default_config_fits_its_kernel_on_every_benchmarked_shape():
         for kind in ("up", "down", "dh", "dx", "dw1", "dw2"):
             cfg = ops.default_config(kind, D, N)
             ops.check_config(kind, cfg)
+            short = kind in ops.SHORT_K and ops.reduction(kind, D, N) <= ops.SHORT_K[kind]
             if kind in ("down", "dx"):  # ping-pong CTA pairs, 192 wide over a short reduction, 128 over a long one
                 assert cfg.pingpong and cfg.cluster == 2, (name, kind, cfg)
-                assert cfg.tile_n == (192 if {"down": N, "dx": 2 * N}[kind] <= ops.SHORT_K else 128), (name, kind)
+                assert cfg.tile_n == (192 if short else 128), (name, kind)
+            if kind == "up":  # ping-pong 128-wide tiles over a short reduction (d), cooperative beyond
+                assert (cfg.pingpong, cfg.tile_n) == ((True, 128) if short else (False, 256)), (name, kind, cfg)
 
 
 @pytest.mark.gpu

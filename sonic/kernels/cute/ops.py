@@ -244,15 +244,23 @@ def compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config 
         return _compiled(kind, dtype, D, N, E, cfg, num_sms() if torch.cuda.is_available() else 132)
 
 
-# up, dh, dw2: fastest on the 7B shape (H200 sweep, bench/results/2026-11-22-h200-cute-7b-sweep.json), and on the
-# 30B and OLMoE shapes since. down and dx, by their reduction length (n, 2n): CTA pairs that multicast A, in ping-pong
-# tiles, 192 wide over a short reduction (<= SHORT_K: the epilogue weighs most), 128 wide over a longer one: 7-11%
-# faster there than the 256-wide cooperative tiles before, on every shape swept (H200, interleaved rounds,
-# bench/results/2026-11-25-h200-cute-sweep-*-{dx-dh,down,down-dx}.json). dw1: 256-row tiles, 4-6% faster than co256
-# on the 7B and 30B shapes (H200, bench/results/2026-11-25-h200-cute-sweep-{7b,30b}-m256.json).
-DEFAULTS = {"up": "co256", "down": ("pp192c2", "pp128c2"), "dh": "pp128", "dx": ("pp192c2", "pp128c2"),
+# dh, dw2: fastest on the 7B shape (H200 sweep, bench/results/2026-11-22-h200-cute-7b-sweep.json), and on the 30B and
+# OLMoE shapes since (dh's co256 tied pp128 once both stored from registers, alone and in the block's f+b:
+# bench/results/2026-11-29-h200-cute-block-tiles-ab.json). up, down and dx by their reduction length (SHORT_K): over a
+# short one the epilogue weighs most, and ping-pong tiles hide one warpgroup's under the other's MMAs. up: pp128 up to
+# D = 1536 (sonic_7b's 7B shape: the block's compiled forward 0.95x, f+b 0.98x the time of co256), co256 beyond (30B:
+# pp128 1.02x; the same file). down and dx: CTA pairs that multicast A, in ping-pong tiles, 192 wide up to a reduction
+# of 512, 128 wide beyond: 7-11% faster there than the 256-wide cooperative tiles before, on every shape swept (H200,
+# interleaved rounds, bench/results/2026-11-25-h200-cute-sweep-*-{dx-dh,down,down-dx}.json). dw1: 256-row tiles, 4-6%
+# faster than co256 on the 7B and 30B shapes (H200, bench/results/2026-11-25-h200-cute-sweep-{7b,30b}-m256.json).
+DEFAULTS = {"up": ("pp128", "co256"), "down": ("pp192c2", "pp128c2"), "dh": "pp128", "dx": ("pp192c2", "pp128c2"),
             "dw1": "co128m256", "dw2": "co256"}
-SHORT_K = 512
+SHORT_K = {"up": 1536, "down": 512, "dx": 512}  # the longest reduction a tuple's first (short) config takes
+
+
+def reduction(kind: str, D: int, N: int) -> int:
+    """The reduction length (K) of a varlen-M kernel: d for up, n for down, 2n for dX~."""
+    return {"up": D, "down": N, "dx": 2 * N}[kind]
 
 
 @functools.lru_cache(maxsize=None)  # looked up at every launch
@@ -260,7 +268,7 @@ def default_config(kind: str, D: int, N: int) -> Config:
     """Per-kernel tile configuration; 256-wide (or 256-tall) tiles only where they divide the output."""
     entry = DEFAULTS[kind]
     if isinstance(entry, tuple):  # (short reduction, long reduction)
-        entry = entry[0] if {"down": N, "dx": 2 * N}[kind] <= SHORT_K else entry[1]
+        entry = entry[0] if reduction(kind, D, N) <= SHORT_K[kind] else entry[1]
     cfg = Config.parse(entry)
     if cfg.tile_m == 256 and 2 * N % 256:  # only dw1's rows (2n) are known before the routing
         cfg = Config(256, False)
