@@ -33,6 +33,9 @@
 #              $CENTRING_ARGS adds options (e.g. --sweep 32,64,4/64,128,4 for tile configs)
 #   gather_sum the cute gather-sum by chunks per lane and column slice, the measurement behind its default
 #              (python -m bench.gather_sum); $GATHER_SUM_ARGS adds options
+#   tiles      cute tile configs in the compiled block they run in, the defaults against $TILES (e.g. up=pp128,dh=co256)
+#              at $TILE_CONFIGS (default 7B,30B), alternating processes (python -m bench.block_ab --tiles), as the
+#              model runs them (the `cute` stage times each kernel alone, a diagnostic)
 #   fuzz       the fuzzed-shape kernel tests (tests/kernels/test_fuzz_shapes.py) for cute and triton
 #   ep         expert parallelism vs FSDP alone on every visible GPU: sonic_7b cut to $EP_LAYERS layers at
 #              ep=1,2 on local BPE text, then $FIRST_STEP_MODEL cut to $FIRST_STEP_LAYERS at ep=2 on the
@@ -111,6 +114,11 @@ run_stage() {
     profile)
       timeout "${PROFILE_S:-400}" python3 -m bench.trainer_profile ${PROFILE_ARGS:-} 2>&1 \
         | grep -v "INFO\] - step\|Warning" | tee "$OUT/trainer_profile.log" | tail -8 ;;
+    tiles)
+      [ -n "${TILES:-}" ] || { log "tiles: set TILES, e.g. TILES=up=pp128"; return 1; }
+      timeout "${TILES_S:-500}" python3 -m bench.block_ab --tree default=. --tree tiles=. --tiles "tiles=$TILES" \
+        --configs "${TILE_CONFIGS:-7B,30B}" --rounds "${TILE_ROUNDS:-3}" 2>&1 | grep -v Warning \
+        | tee "$OUT/tiles.log" | tail -20 ;;
     centring)
       timeout "${CENTRING_S:-300}" python3 -m bench.centring ${CENTRING_ARGS:-} 2>&1 | grep -v Warning \
         | tee "$OUT/centring.log" | tail -20 ;;

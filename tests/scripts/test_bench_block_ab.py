@@ -32,3 +32,33 @@ def test_bad_trees_are_refused(trees, capsys):
     with pytest.raises(SystemExit):
         block_ab.main([f"--tree={t}" for t in trees] + ["--device", "cpu"])
     assert "--tree" in capsys.readouterr().err
+
+
+def test_tiles_name_a_tree_and_configs_its_kernels_can_run(capsys):
+    """--tiles TAG=KIND=CFG,... is refused before any tree runs when TAG is no --tree, the backend is not cute, or a
+    config is one its kernel cannot run (naming why), and parse_tiles reads a good list."""
+    pytest.importorskip("cutlass")
+    base = ["--tree", "a=.", "--tree", "b=.", "--device", "cpu"]
+    for tiles, backend, why in (("c=up=pp128", "cute", "a TAG of --tree"), ("b=up=pp128", "reference", "--backend cute"),
+                                ("b=dw2=co256c2", "cute", "share a TMA-loaded"),
+                                ("b=upp=pp128", "cute", "KIND one of"), ("b=up=xx12", "cute", "expected co<tile_n>")):
+        with pytest.raises(SystemExit):
+            block_ab.main([*base, "--backend", backend, "--tiles", tiles])
+        err = capsys.readouterr().err
+        assert "--tiles" in err and any(w in err for w in why.split("|")), (tiles, err)
+    assert block_ab.parse_tiles("up=pp128,dh=co256") == {"up": "pp128", "dh": "co256"}
+
+
+def test_use_tiles_replaces_the_default_the_kernels_look_up(monkeypatch):
+    """A child given --tiles launches its kernels with those configs: ops.default_config answers with them (and
+    forgets the answers it cached before), for that kernel only."""
+    pytest.importorskip("cutlass")
+    from sonic.kernels.cute import ops
+
+    monkeypatch.setattr(ops, "DEFAULTS", dict(ops.DEFAULTS))
+    ops.default_config.cache_clear()
+    before = {k: ops.default_config(k, 4096, 512) for k in ("up", "dh")}
+    assert str(before["up"]) == "co256"
+    block_ab.use_tiles(block_ab.parse_tiles("up=pp128"))
+    assert str(ops.default_config("up", 4096, 512)) == "pp128" and ops.default_config("dh", 4096, 512) == before["dh"]
+    ops.default_config.cache_clear()  # the monkeypatch restores DEFAULTS after this test; its answers must not stay
