@@ -4,7 +4,11 @@ For each kernel: median time (triton do_bench), TFLOP/s, and cuBLAS (torch.matmu
 the same FLOPs; then the whole layer forward / backward. Prints a table last and writes
 JSON (with the exact command) to bench/results/<date>-<gpu>-cute.json or --out.
 
-  python bench/cute_gemm.py --shape 7b [--tile-n down=128,up=256] [--layer] [--out x.json]
+  python bench/cute_gemm.py --shape 7b [--tile-n down=128,up=256] [--layer] [--energy] [--out x.json]
+
+--energy adds, per kernel and for cuBLAS's dense GEMM of equal FLOPs, the same call held back to back for a second
+(bench/energy.py): ms, joules per call and per TFLOP, watts and the SM clock. do_bench times a kernel between L2
+flushes; training holds the GPU at its power cap, where energy per FLOP sets the clock.
 """
 from __future__ import annotations
 
@@ -63,6 +67,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="time only these kernels, e.g. down,dx (default: all six and the "
                                                "gather-sums)")
     ap.add_argument("--layer", action="store_true", help="also time the whole layer fwd/bwd")
+    ap.add_argument("--energy", action="store_true", help="also each kernel and cuBLAS held for a second: joules per "
+                                                           "call and TFLOP, watts, SM clock (NVML)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.rounds < 1:
@@ -120,11 +126,24 @@ def main() -> None:
             r["paper_tf"] = PAPER_TF[name]
         rows.append(r)
 
+    nvml = None
+    if args.energy:
+        from bench.energy import Nvml
+        nvml = Nvml.open(torch.cuda.current_device())
+        if nvml is None:
+            raise SystemExit(f"--energy reads the GPU's energy counter through NVML: {Nvml.why_not}")
+
+    def held(fn, flops):  # --energy: fn back to back for a second, its joules per TFLOP beside
+        from bench.energy import sustained
+        r = sustained(fn, nvml)
+        return {**r, "joules_per_tflop": r["joules_per_call"] / (flops * 1e-12)}
+
     # cuBLAS on equal FLOPs: one dense GEMM with M = R (same M, N, K as the grouped GEMM)
-    def cublas(m, n, k):
+    def cublas(m, n, k, flops=None):
         A = torch.randn(m, k, device=dev).bfloat16()
         B = torch.randn(k, n, device=dev).bfloat16()
-        return bench(lambda: A @ B)
+        ms = bench(lambda: A @ B)
+        return ms, (held(lambda: A @ B, flops) if nvml else None)
 
     calls = {  # kernel -> (launch(cfg), flops, cuBLAS (m, n, k) on the same FLOPs)
         "up": (lambda c: ops.up_proj(x, w1, tok, off, cfg=c, out=(h, a)), 2 * R * F * D, (R, F, D)),
@@ -148,8 +167,12 @@ def main() -> None:
         times = {c: statistics.median(ms) for c, ms in rounds.items()}
         best = min(times, key=times.get)
         chosen[name] = best
-        row(name, times[best], flops, cublas(*mnk))
+        cublas_ms, cublas_held = cublas(*mnk, flops)
+        row(name, times[best], flops, cublas_ms)
         rows[-1]["config"] = best
+        if nvml:
+            rows[-1]["held"] = held(lambda: launch(best), flops)
+            rows[-1]["cublas_held"] = cublas_held
         rows[-1]["sweep_ms"] = times
         if len(cands) > 1:
             rows[-1]["sweep_rounds_ms"] = rounds
@@ -200,6 +223,12 @@ def main() -> None:
         vs = f"{r['vs_cublas']:.2f}" if "vs_cublas" in r else "-"
         print(f"{r['kernel']:16s} {r['ms']:8.3f} {tf:>7s} {cb:>10s} {vs:>9s} {str(r.get('paper_tf', '-')):>8s} "
               f"{r.get('config', '')}")
+    for r in rows:
+        if "held" in r:
+            h, c = r["held"], r["cublas_held"]
+            print(f"held {r['kernel']:6s} {h['ms']:.3f} ms {h['joules_per_tflop']:.2f} J/TFLOP {h['watts']:.0f} W "
+                  f"{h['sm_mhz_median']:.0f} MHz | cuBLAS {c['ms']:.3f} ms {c['joules_per_tflop']:.2f} J/TFLOP "
+                  f"{c['watts']:.0f} W {c['sm_mhz_median']:.0f} MHz")
     if layer:
         print(f"layer fwd {layer['fwd_ms']:.3f} ms ({layer['fwd_tf']:.0f} TF)  bwd {layer['bwd_ms']:.3f} ms "
               f"({layer['bwd_tf']:.0f} TF)  f+b {layer['fwd_bwd_ms']:.3f} ms ({layer['fwd_bwd_tf']:.0f} TF)")
