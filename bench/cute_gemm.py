@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from bench.common import write_json
+from bench.energy import Nvml, NvmlUnavailable, sustained
 from bench.moe_configs import CONFIGS
 from sonic.kernels.cute.selfcheck import wait_or_exit
 
@@ -128,13 +129,12 @@ def main() -> None:
 
     nvml = None
     if args.energy:
-        from bench.energy import Nvml
-        nvml = Nvml.open(torch.cuda.current_device())
-        if nvml is None:
-            raise SystemExit(f"--energy reads the GPU's energy counter through NVML: {Nvml.why_not}")
+        try:
+            nvml = Nvml.open(torch.cuda.current_device())
+        except NvmlUnavailable as e:
+            raise SystemExit(f"--energy reads the GPU's energy counter through NVML: {e}") from None
 
     def held(fn, flops):  # --energy: fn back to back for a second, its joules per TFLOP beside
-        from bench.energy import sustained
         r = sustained(fn, nvml)
         return {**r, "joules_per_tflop": r["joules_per_call"] / (flops * 1e-12)}
 

@@ -22,29 +22,29 @@ import torch
 NVML_CLOCK_SM = 1
 
 
+class NvmlUnavailable(RuntimeError):
+    """The driver's NVML library or the device is not there (a CPU machine, a container without it)."""
+
+
 class Nvml:
-    """One GPU's counters through libnvidia-ml (the driver's library). `open` returns None, with the reason in
-    `Nvml.why_not`, where the library or the device is not there (a CPU machine, a container without it)."""
-    why_not = ""
+    """One GPU's counters through libnvidia-ml (the driver's library); `open` raises NvmlUnavailable, naming why,
+    where it cannot read them."""
 
     def __init__(self, lib: ctypes.CDLL, handle: ctypes.c_void_p):
         self._lib, self._handle = lib, handle
 
     @classmethod
-    def open(cls, cuda_index: int = 0) -> "Nvml | None":
+    def open(cls, cuda_index: int = 0) -> "Nvml":
         try:
             lib = ctypes.CDLL("libnvidia-ml.so.1")
         except OSError as e:
-            cls.why_not = f"no NVML library ({e})"
-            return None
+            raise NvmlUnavailable(f"no NVML library ({e})") from None
         if lib.nvmlInit_v2() != 0:
-            cls.why_not = "nvmlInit failed"
-            return None
+            raise NvmlUnavailable("NVML did not initialise (nvmlInit_v2)")
         handle = ctypes.c_void_p()
         index = nvml_index(cuda_index, os.environ.get("CUDA_VISIBLE_DEVICES"))
         if lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle)) != 0:
-            cls.why_not = f"NVML has no device {index}"
-            return None
+            raise NvmlUnavailable(f"NVML has no device {index}")
         return cls(lib, handle)
 
     def _read(self, fn: str, value, *args):
