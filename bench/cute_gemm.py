@@ -4,11 +4,17 @@ For each kernel: median time (triton do_bench), TFLOP/s, and cuBLAS (torch.matmu
 the same FLOPs; then the whole layer forward / backward. Prints a table last and writes
 JSON (with the exact command) to bench/results/<date>-<gpu>-cute.json or --out.
 
-  python bench/cute_gemm.py --shape 7b [--tile-n down=128,up=256] [--layer] [--energy] [--out x.json]
+  python bench/cute_gemm.py --shape 7b [--tile-n down=128,up=256] [--layer] [--energy] [--official] [--out x.json]
 
 --energy adds, per kernel and for cuBLAS's dense GEMM of equal FLOPs, the same call held back to back for a second
 (bench/energy.py): ms, joules per call and per TFLOP, watts and the SM clock. do_bench times a kernel between L2
-flushes; training holds the GPU at its power cap, where energy per FLOP sets the clock.
+flushes; training holds the GPU at its power cap, where energy per FLOP sets the clock. With --energy, the six
+kernels in sequence, as one f+b runs them, are held too ("chain").
+
+--official adds the official sonic-moe layer's own kernel for each of ours (its custom ops, called as its layer
+calls them, on the same tensors and routing), timed and, with --energy, held the same way: each row's
+official_ms and vs_official (its time over ours). Its first call autotunes; QUACK_CACHE_DIR with
+QUACK_CACHE_AUTOTUNING=1 keeps that between runs (bench/gpu.sh's block stage carries it).
 """
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ from sonic.kernels.cute.selfcheck import wait_or_exit
 SHAPES = {  # T, D, N, E, K: bench/moe_configs.py's configs under this script's --shape names
     "7b": CONFIGS["7B"], "7b-n512": CONFIGS["7B-E64"], "1.4b": CONFIGS["1.4B"], "30b": CONFIGS["30B"],
     "olmoe": CONFIGS["OLMoE"], "qwen3next": CONFIGS["Qwen3-Next"], "small": (4096, 512, 256, 16, 4),
+    # the token-rounding sweep's two shapes (bench.moe_layer --sparse-sweep --sweep-shape T,d,n,K,E): 256 rows per
+    # expert, so the weight-gradient kernels reduce over short K and write large outputs
+    "sparse-e256": (16384, 4096, 1024, 256, 4), "sparse-e512": (16384, 4096, 512, 512, 8),
 }
 PAPER_TF = {"up": 559, "down": 485, "dh": 328}  # 7B breakdown on H100 (PAPER.md)
 
@@ -70,6 +79,8 @@ def main() -> None:
     ap.add_argument("--layer", action="store_true", help="also time the whole layer fwd/bwd")
     ap.add_argument("--energy", action="store_true", help="also each kernel and cuBLAS held for a second: joules per "
                                                            "call and TFLOP, watts, SM clock (NVML)")
+    ap.add_argument("--official", action="store_true", help="also the official sonic-moe layer's kernel for each of "
+                                                             "ours, on the same tensors")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.rounds < 1:
@@ -153,6 +164,12 @@ def main() -> None:
         "dw1": (lambda c: ops.dw1(dh, x, tok, off, E, cfg=c), 2 * R * F * D, (F, D, R)),
         "dw2": (lambda c: ops.dw2(dout, ap_, tok, off, E, cfg=c), 2 * R * D * N, (D, N, R)),
     }
+    official = official_calls(x, w1, w2, dout, s, tok, off) if args.official else {}
+    if official:  # like for like: the official kernels compute what ours do (bf16 rounding apart)
+        checks = official.pop("check")()
+        print("official vs ours, relative error: " + ", ".join(f"{k} {v:.1e}" for k, v in checks.items()), flush=True)
+        if max(checks.values()) > 2e-2:
+            raise SystemExit(f"the official kernels do not compute what ours do on these tensors: {checks}")
     sweep = {k: v.split("/") for k, v in (kv.split("=") for kv in args.sweep.split(",") if kv)}
     only = set(filter(None, args.only.split(",")))
     if only - set(calls) - {"gather_sum"}:
@@ -170,9 +187,14 @@ def main() -> None:
         cublas_ms, cublas_held = cublas(*mnk, flops)
         row(name, times[best], flops, cublas_ms)
         rows[-1]["config"] = best
+        if name in official:
+            rows[-1]["official_ms"] = bench(official[name], what=f"{name}/official")
+            rows[-1]["vs_official"] = rows[-1]["official_ms"] / times[best]
         if nvml:
             rows[-1]["held"] = held(lambda: launch(best), flops)
             rows[-1]["cublas_held"] = cublas_held
+            if name in official:
+                rows[-1]["official_held"] = held(official[name], flops)
         rows[-1]["sweep_ms"] = times
         if len(cands) > 1:
             rows[-1]["sweep_rounds_ms"] = rounds
@@ -182,6 +204,15 @@ def main() -> None:
                                                            plan.scores_R, out=out)), 0, bytes_=(R + T) * D * 2)
         row("gather_sum_bwd", bench(lambda: ops.gather_sum(dxt, plan.token_offsets_T1, plan.rows_by_token_R,
                                                            out=out)), 0, bytes_=(R + T) * D * 2)
+
+    chain = {}
+    if nvml and not only:  # the six kernels back to back, as one f+b runs them, held (ours, then official)
+        chain_flops = sum(flops for _, flops, _ in calls.values())
+        ours = [lambda n=n: calls[n][0](chosen[n]) for n in calls]
+        chain["ours"] = held(lambda: [f() for f in ours], chain_flops)
+        if official:
+            chain["official"] = held(lambda: [official[n]() for n in calls], chain_flops)
+            chain["ours_again"] = held(lambda: [f() for f in ours], chain_flops)
 
     layer = {}
     if args.layer:
@@ -203,7 +234,7 @@ def main() -> None:
 
     result = {
         "what": "cute grouped GEMM kernels", "shape": dict(zip("TDNEK", SHAPES[args.shape])),
-        "name": args.shape, "gpu": torch.cuda.get_device_name(), "rows": rows, "layer": layer,
+        "name": args.shape, "gpu": torch.cuda.get_device_name(), "rows": rows, "layer": layer, "chain": chain,
         "first_call_s": first_call_s, "compile_s": ops.COMPILE_LOG,
     }
     gpu = torch.cuda.get_device_name().split()[-1].lower().replace(" ", "")
@@ -224,14 +255,65 @@ def main() -> None:
         print(f"{r['kernel']:16s} {r['ms']:8.3f} {tf:>7s} {cb:>10s} {vs:>9s} {str(r.get('paper_tf', '-')):>8s} "
               f"{r.get('config', '')}")
     for r in rows:
+        if "official_ms" in r:
+            print(f"official {r['kernel']:6s} {r['official_ms']:.3f} ms against ours {r['ms']:.3f}: "
+                  f"{r['vs_official']:.3f}x")
+    for r in rows:
         if "held" in r:
-            h, c = r["held"], r["cublas_held"]
-            print(f"held {r['kernel']:6s} {h['ms']:.3f} ms {h['joules_per_tflop']:.2f} J/TFLOP {h['watts']:.0f} W "
-                  f"{h['sm_mhz_median']:.0f} MHz | cuBLAS {c['ms']:.3f} ms {c['joules_per_tflop']:.2f} J/TFLOP "
-                  f"{c['watts']:.0f} W {c['sm_mhz_median']:.0f} MHz")
+            print(f"held {r['kernel']:6s} " + " | ".join(f"{who} {held_line(r[key])}" for who, key in (
+                ("ours", "held"), ("cuBLAS", "cublas_held"), ("official", "official_held")) if key in r))
+    for who, h in chain.items():
+        print(f"held chain {who}: {held_line(h)}")
     if layer:
         print(f"layer fwd {layer['fwd_ms']:.3f} ms ({layer['fwd_tf']:.0f} TF)  bwd {layer['bwd_ms']:.3f} ms "
               f"({layer['bwd_tf']:.0f} TF)  f+b {layer['fwd_bwd_ms']:.3f} ms ({layer['fwd_bwd_tf']:.0f} TF)")
+
+
+def held_line(h: dict) -> str:
+    return (f"{h['ms']:.3f} ms {h['joules_per_tflop']:.2f} J/TFLOP {h['watts']:.0f} W "
+            f"{h['sm_mhz_median']:.0f} MHz")
+
+
+def official_calls(x, w1, w2, dout, s, tok, off) -> dict:
+    """The official sonic-moe layer's kernel for each of ours, through its custom ops with the arguments its layer
+    passes (its weights are ours permuted as it permutes c_fc and c_proj; rows already in expert order, so its
+    score scatter is the identity), on the same tensors. "check" compares their outputs with ours."""
+    try:
+        from sonicmoe.functional import backward as ob, forward as of
+    except Exception as err:  # noqa: BLE001
+        raise SystemExit(f"--official needs the official sonic-moe package: {type(err).__name__}: {err}") from None
+    from sonic.kernels.cute import ops
+    R, (E, F, D), N = tok.numel(), w1.shape, w2.shape[2]
+    w1o, w2o = w1.permute(1, 2, 0), w2.permute(1, 2, 0)  # (2n, d, E) and (d, n, E), as the official layer
+    h, a, y = x.new_empty(R, F), x.new_empty(R, N), x.new_empty(R, D)
+    dh, ap, dxt = x.new_empty(R, F), x.new_empty(R, N), x.new_empty(R, D)
+    ds = torch.empty(R, device=x.device, dtype=torch.float32)
+    rows = torch.arange(R, device=x.device, dtype=torch.int32)
+    dw1, dw2 = torch.empty_like(w1o), torch.empty_like(w2o)
+    fns = {
+        "up": lambda: of._up_projection_forward(x, w1o, h, a, None, off, tok, "swiglu", False, False),
+        "down": lambda: of._down_projection_forward(w2o, a, y, None, off),
+        "dh": lambda: ob._down_projection_backward_act(dout, h, w2o, dh, ds, None, None, ap, s, off, tok, rows,
+                                                        "swiglu"),
+        "dx": lambda: ob._up_projection_backward_act(w1o, dxt, dh, None, off, True, False),
+        "dw1": lambda: ob._up_projection_backward_weight(x, dw1, dh, off, tok, True, False),
+        "dw2": lambda: ob._down_projection_backward_weight(dout, ap, dw2, off, tok),
+    }
+
+    def check() -> dict:
+        for f in fns.values():
+            f()
+        h_, a_ = ops.up_proj(x, w1, tok, off)
+        dh_, ap_, _ = ops.dh(dout, w2, h, s, tok, off)  # from the official h, as its dh reads it
+        ours = {"h": h_, "a": a_, "y": ops.down_proj(a, w2, off, tok), "dh": dh_, "ap": ap_,
+                "dx": ops.dx_rows(dh, w1, off, tok), "dw1": ops.dw1(dh, x, tok, off, E),
+                "dw2": ops.dw2(dout, ap, tok, off, E)}
+        theirs = {"h": h, "a": a, "y": y, "dh": dh, "ap": ap, "dx": dxt, "dw1": dw1.permute(2, 0, 1),
+                  "dw2": dw2.permute(2, 0, 1)}
+        return {k: ((ours[k].float() - theirs[k].float()).norm() / theirs[k].float().norm().clamp_min(1e-30)).item()
+                for k in ours}
+
+    return fns | {"check": check}
 
 
 if __name__ == "__main__":

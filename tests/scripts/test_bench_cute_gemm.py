@@ -10,3 +10,16 @@ def test_sweep_rounds_rotate_which_candidate_runs_first():
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
     assert out == {"a": [1.0, 6.0, 8.0, 10.0], "b": [2.0, 4.0, 9.0, 11.0], "c": [3.0, 5.0, 7.0, 12.0]}
     assert sweep_rounds(["only"], 1, lambda c: 2.5) == {"only": [2.5]}
+
+
+def test_official_without_the_package_says_what_is_missing(monkeypatch):
+    """--official on a machine without sonic-moe ends with a message naming the package, not a traceback."""
+    import sys
+
+    import pytest
+
+    from bench.cute_gemm import official_calls
+    monkeypatch.setitem(sys.modules, "sonicmoe", None)
+    monkeypatch.setitem(sys.modules, "sonicmoe.functional", None)
+    with pytest.raises(SystemExit, match="--official needs the official sonic-moe package"):
+        official_calls(*[None] * 7)
