@@ -697,6 +697,33 @@ TABLES = (
                      for commit, file in (("c9ddd54", "bench/results/2026-11-26-h200-moe_block.json"),
                                           ("b5b0154", "bench/results/2026-11-28-h200-moe_block-cute-dhdirect.json"))),
           columns=BLOCK_COLUMNS),
+    Table("cute_vs_official", first="shape, kernel", caption="Each cute kernel against the official layer's own "
+          "kernel for the same product (its custom ops as its layer calls them, QuACK's autotuned configs), on the "
+          "same tensors and top-K routing from random logits, outputs checked against ours first (`python "
+          "bench/cute_gemm.py --shape S --official [--energy]`, one H200, 6226a76's sonic/). ms are do_bench "
+          "medians; held ms, each kernel back to back for a second at the GPU's power cap (`--energy`), where "
+          "both sides run below their maximum clock.",
+          rows=tuple(Row(f"{name}, {kernel}", f"bench/results/2026-11-29-h200-cute_gemm-{file}.json",
+                         {"kernel": kernel}, "rows")
+                     for name, file in (("30B", "30b-official-energy"), ("7B", "7b-official-energy"),
+                                        ("sparse E 256", "sparse-e256-official"), ("Qwen3-Next", "qwen3next-official"))
+                     for kernel in ("up", "down", "dh", "dx", "dw1", "dw2")),
+          columns=(Field("ms", "ms", digits=3), Field("official ms", "official_ms", digits=3),
+                   Ratio("official ÷ ours", "official_ms", "ms", digits=3),
+                   Field("held ms", "held.ms", digits=3, missing="–"),
+                   Field("official held ms", "official_held.ms", digits=3, missing="–"))),
+    Table("cute_vs_official_chain", first="shape", caption="The six kernels back to back, as one f+b runs them, "
+          "held for a second at the power cap (`--energy --official`, the same runs as above): ms per f+b, joules "
+          "per TFLOP and the median sampled SM clock; ours ran before and after the official kernels.",
+          rows=tuple(Row(name, f"bench/results/2026-11-29-h200-cute_gemm-{file}.json")
+                     for name, file in (("30B", "30b-official-energy"), ("7B", "7b-official-energy"))),
+          columns=(Field("ours ms", "chain.ours.ms", digits=3), Field("official ms", "chain.official.ms", digits=3),
+                   Field("ours again ms", "chain.ours_again.ms", digits=3),
+                   Ratio("official ÷ ours", "chain.official.ms", "chain.ours.ms", digits=3),
+                   Field("ours J/TFLOP", "chain.ours.joules_per_tflop", digits=2),
+                   Field("official J/TFLOP", "chain.official.joules_per_tflop", digits=2),
+                   Field("ours MHz", "chain.ours.sm_mhz_median", digits=0),
+                   Field("official MHz", "chain.official.sm_mhz_median", digits=0))),
     Table("block_h200_all", first="config, backend", caption="All twelve Table 9b configs: the MoE block as "
           "`sonic_7b` builds it (router with its input centring and logit norm, routing, experts, combine; bf16 "
           "autocast, compiled as the trainer runs it) on both kernel backends, each interleaved with the official "
