@@ -81,22 +81,23 @@ def main() -> None:
                                                            "call and TFLOP, watts, SM clock (NVML)")
     ap.add_argument("--official", action="store_true", help="also the official sonic-moe layer's kernel for each of "
                                                              "ours, on the same tensors")
+    ap.add_argument("--plan", choices=("topk", "rounded"), default="topk",
+                    help="rounded: the token-rounding plan of the same logits (counts multiples of 128, as the sparse "
+                         "sweep's), to see which kernels gain from whole tiles")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: time each candidate at least once")
 
     from sonic.kernels.cute import ops
-    from sonic.routing.plan import plan_from_topk
 
     T, D, N, E, K = SHAPES[args.shape]
     tn = dict(kv.split("=") for kv in args.config.split(",") if kv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     logits = torch.randn(T, E, device=dev)
-    top, idx = logits.topk(K, -1)
-    plan = plan_from_topk(idx, torch.softmax(top, -1), E)
-    R = plan.num_rows
+    plan = routing_plan(logits, K, args.plan)
+    R = plan.live_rows()  # a rounded plan is padded to a bound; the kernels run the live rows
     tok, off = plan.token_idx_R, plan.expert_offsets_E1
     x = torch.randn(T, D, device=dev).bfloat16()
     w1 = (torch.randn(E, 2 * N, D, device=dev) / D ** 0.5).bfloat16()
@@ -234,7 +235,7 @@ def main() -> None:
 
     result = {
         "what": "cute grouped GEMM kernels", "shape": dict(zip("TDNEK", SHAPES[args.shape])),
-        "name": args.shape, "gpu": torch.cuda.get_device_name(), "rows": rows, "layer": layer, "chain": chain,
+        "name": args.shape, "plan": args.plan, "rows": R, "gpu": torch.cuda.get_device_name(), "rows": rows, "layer": layer, "chain": chain,
         "first_call_s": first_call_s, "compile_s": ops.COMPILE_LOG,
     }
     gpu = torch.cuda.get_device_name().split()[-1].lower().replace(" ", "")
@@ -267,6 +268,19 @@ def main() -> None:
     if layer:
         print(f"layer fwd {layer['fwd_ms']:.3f} ms ({layer['fwd_tf']:.0f} TF)  bwd {layer['bwd_ms']:.3f} ms "
               f"({layer['bwd_tf']:.0f} TF)  f+b {layer['fwd_bwd_ms']:.3f} ms ({layer['fwd_bwd_tf']:.0f} TF)")
+
+
+def routing_plan(logits_TE, K: int, kind: str):
+    """The top-K plan of the logits, or its token-rounding plan (each expert's count a multiple of 128, as the
+    sparse sweep routes), so that a kernel's gain from whole tiles shows against the same logits."""
+    from sonic.routing.plan import plan_from_topk
+    from sonic.routing.token_rounding import token_rounding_plan
+
+    top, idx = logits_TE.topk(K, -1)
+    gates = torch.softmax(top, -1)
+    if kind == "rounded":
+        return token_rounding_plan(logits_TE.softmax(-1), idx, gates, 128, "nearest").plan
+    return plan_from_topk(idx, gates, logits_TE.shape[1])
 
 
 def held_line(h: dict) -> str:

@@ -23,3 +23,19 @@ def test_official_without_the_package_says_what_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "sonicmoe.functional", None)
     with pytest.raises(SystemExit, match="--official needs the official sonic-moe package"):
         official_calls(*[None] * 7)
+
+
+def test_rounded_plan_runs_whole_tiles_of_the_same_logits():
+    """--plan rounded routes the same logits with token rounding: every expert's live rows a multiple of 128, about
+    as many rows as top-K's; the top-K plan of the same logits has partial tiles (else the comparison shows
+    nothing)."""
+    import torch
+
+    from bench.cute_gemm import routing_plan
+    torch.manual_seed(0)
+    logits = torch.randn(4096, 64)
+    topk, rounded = routing_plan(logits, 4, "topk"), routing_plan(logits, 4, "rounded")
+    assert topk.live_rows() == 4096 * 4
+    assert bool((topk.counts_E() % 128 != 0).any())
+    assert bool((rounded.counts_E() % 128 == 0).all())
+    assert abs(rounded.live_rows() - 4096 * 4) <= 64 * 128
