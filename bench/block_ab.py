@@ -55,6 +55,8 @@ def use_tiles(tiles: dict[str, str]) -> None:
     from sonic.kernels.cute import ops
 
     ops.DEFAULTS.update(tiles)
+    for kind in tiles:  # at few rows per expert too
+        ops.FEW_ROWS_DEFAULTS.pop(kind, None)
     ops.default_config.cache_clear()
 
 

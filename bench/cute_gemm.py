@@ -179,7 +179,7 @@ def main() -> None:
     for name, (launch, flops, mnk) in calls.items():
         if only and name not in only:
             continue
-        cands = sweep.get(name) or [tn.get(name) or str(ops.default_config(name, D, N))]
+        cands = sweep.get(name) or [tn.get(name) or str(ops.default_config(name, D, N, tok.numel() // E))]
         rounds = sweep_rounds(cands, args.rounds if len(cands) > 1 else 1,
                               lambda c: bench(lambda: launch(c), what=f"{name}/{c}"))
         times = {c: statistics.median(ms) for c, ms in rounds.items()}

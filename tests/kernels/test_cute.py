@@ -189,8 +189,9 @@ def check_dh_dx_dw(shape, routing, cfgs):
 # 256-wide cooperative tiles in a cluster (co256c2), 192-wide tiles without a cluster, a padded cluster (pp128c2, the
 # long-reduction default), and 256-row tiles (down, dx, dw1; a partial last m-tile of dW1 at 2N = 384) alone and in a
 # cluster; widths that are not multiples of 64, whose epilogue runs an odd count of sub-tiles (pp160c2: five of 32
-# columns on down and dx; pp176: eleven of 16 on every kernel but dW1).
-TILE_CONFIGS = ["pp192", "co256c2", "pp128c2", "co128m256", "co128m256c2", "pp160c2", "pp176"]
+# columns on down and dx; pp176: eleven of 16 on every kernel but dW1); and pp192c2, the short-reduction default of
+# down and dX~, which the default path no longer takes at these shapes (few rows per expert: ops.FEW_ROWS).
+TILE_CONFIGS = ["pp192", "co256c2", "pp128c2", "co128m256", "co128m256c2", "pp160c2", "pp176", "pp192c2"]
 
 
 @pytest.mark.parametrize("cfg", TILE_CONFIGS)
@@ -219,7 +220,7 @@ KINDS = ("up", "down", "dh", "dx", "dw1", "dw2")
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kernel_compiles_without_a_gpu(kind, monkeypatch):
     """Each kernel through the DSL's whole compile (trace, MLIR, PTX, cubin for sm_90a) on the CPU: the default
-    config staged and direct, every config of test_every_tile_config that fits, and fp16, at a shape whose widths
+    config staged and direct, the default at few rows per expert, every config of test_every_tile_config that fits, and fp16, at a shape whose widths
     take the 256-wide tiles and at one that falls back to 128. The DSL's trace-time errors (a dynamic loop carrying
     a Python list, range_constexpr outside a jit function, a type that changes across a branch) then fail here, in
     CI, instead of in a device call."""
@@ -229,8 +230,8 @@ def test_every_kernel_compiles_without_a_gpu(kind, monkeypatch):
     monkeypatch.setenv("SONIC_CUTE_CACHE_DIR", "off")  # compile for real; write nothing
     jobs = set()
     for (D, N, E), configs in (((4096, 512, 16), TILE_CONFIGS), ((768, 192, 8), ())):
-        default = ops.default_config(kind, D, N)
-        for cfg in (default, replace(default, staged=True), *map(ops.Config.parse, configs)):
+        default, few_rows = ops.default_config(kind, D, N), ops.default_config(kind, D, N, ops.FEW_ROWS)
+        for cfg in (default, replace(default, staged=True), few_rows, *map(ops.Config.parse, configs)):
             try:
                 ops.check_config(kind, cfg)
             except ValueError:
@@ -302,9 +303,10 @@ def test_every_default_config_fits_its_kernel_on_every_benchmarked_shape():
     from bench.moe_configs import CONFIGS
     from sonic.kernels.cute import ops
 
-    for name, (_, D, N, _, _) in CONFIGS.items():
+    for name, (T, D, N, E, K) in CONFIGS.items():
         for kind in ("up", "down", "dh", "dx", "dw1", "dw2"):
-            cfg = ops.default_config(kind, D, N)
+            cfg = ops.default_config(kind, D, N, T * K // E)  # the launchers pass their routed rows
+            assert cfg == ops.default_config(kind, D, N), (name, kind)  # no Table 9b config has few rows per expert
             ops.check_config(kind, cfg)
             short = kind in ops.SHORT_K and ops.reduction(kind, D, N) <= ops.SHORT_K[kind]
             if kind in ("down", "dx"):  # ping-pong CTA pairs, 192 wide over a short reduction, 128 over a long one
@@ -312,6 +314,24 @@ def test_every_default_config_fits_its_kernel_on_every_benchmarked_shape():
                 assert cfg.tile_n == (192 if short else 128), (name, kind)
             if kind == "up":  # ping-pong 128-wide tiles over a short reduction (d), cooperative beyond
                 assert (cfg.pingpong, cfg.tile_n) == ((True, 128) if short else (False, 256)), (name, kind, cfg)
+
+
+@needs_dsl
+def test_few_rows_per_expert_take_their_own_down_and_dx_configs():
+    """At most ops.FEW_ROWS routed rows per expert (the token-rounding sweep's shapes), down and dX~ take the configs
+    measured there, at short and long reductions alike; above it, and for the other kernels, the row count changes
+    nothing; every one of them is a config its kernel can run."""
+    from sonic.kernels.cute import ops
+
+    for D, N in ((4096, 512), (4096, 1024), (1536, 256)):
+        for rows in (128, ops.FEW_ROWS):
+            for kind in ("up", "down", "dh", "dx", "dw1", "dw2"):
+                cfg = ops.default_config(kind, D, N, rows)
+                ops.check_config(kind, cfg)
+                want = ops.FEW_ROWS_DEFAULTS.get(kind)
+                assert str(cfg) == want if want else cfg == ops.default_config(kind, D, N), (D, N, rows, kind)
+        for kind in ("down", "dx"):
+            assert ops.default_config(kind, D, N, ops.FEW_ROWS + 1) == ops.default_config(kind, D, N)
 
 
 @pytest.mark.gpu

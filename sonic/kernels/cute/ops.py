@@ -235,10 +235,12 @@ def _compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config
                              make_fake_stream(use_tvm_ffi_env_stream=True), options=_options()))
 
 
-def compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config | str | None = None):
+def compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config | str | None = None,
+             rows: int | None = None):
+    """The kernel for cfg, or for the default of its shape and of `rows` routed rows (padding included)."""
     if dtype not in _DTYPES:
         raise ValueError(f"the cute backend supports bf16/fp16 activations, got {dtype}")
-    cfg = default_config(kind, D, N) if cfg is None else cfg
+    cfg = default_config(kind, D, N, rows // E if rows is not None else None) if cfg is None else cfg
     cfg = Config.parse(cfg) if isinstance(cfg, str) else cfg
     with _LOCK:
         return _compiled(kind, dtype, D, N, E, cfg, num_sms() if torch.cuda.is_available() else 132)
@@ -248,14 +250,22 @@ def compiled(kind: str, dtype: torch.dtype, D: int, N: int, E: int, cfg: Config 
 # OLMoE shapes since (dh's co256 tied pp128 once both stored from registers, alone and in the block's f+b:
 # bench/results/2026-11-29-h200-cute-block-tiles-ab.json). up, down and dx by their reduction length (SHORT_K): over a
 # short one the epilogue weighs most, and ping-pong tiles hide one warpgroup's under the other's MMAs. up: pp128 up to
-# D = 1536 (sonic_7b's 7B shape: the block's compiled forward 0.95x, f+b 0.98x the time of co256), co256 beyond (30B:
-# pp128 1.02x; the same file). down and dx: CTA pairs that multicast A, in ping-pong tiles, 192 wide up to a reduction
+# D = 1536 (sonic_7b's 7B shape: the block's compiled forward 0.955x, f+b 0.984x the time of co256), co256 beyond (30B:
+# pp128 1.017x; the same file). down and dx: CTA pairs that multicast A, in ping-pong tiles, 192 wide up to a reduction
 # of 512, 128 wide beyond: 7-11% faster there than the 256-wide cooperative tiles before, on every shape swept (H200,
 # interleaved rounds, bench/results/2026-11-25-h200-cute-sweep-*-{dx-dh,down,down-dx}.json). dw1: 256-row tiles, 4-6%
 # faster than co256 on the 7B and 30B shapes (H200, bench/results/2026-11-25-h200-cute-sweep-{7b,30b}-m256.json).
 DEFAULTS = {"up": ("pp128", "co256"), "down": ("pp192c2", "pp128c2"), "dh": "pp128", "dx": ("pp192c2", "pp128c2"),
             "dw1": "co128m256", "dw2": "co256"}
 SHORT_K = {"up": 1536, "down": 512, "dx": 512}  # the longest reduction a tuple's first (short) config takes
+# Few rows per expert (at most FEW_ROWS routed rows per expert on average, padding included; the token-rounding sweep's
+# 256, and no Table 9b config: their fewest are Qwen3-Next's 640): each expert's weights serve two or three row tiles.
+# There down takes 128-wide ping-pong pairs at every reduction (n 512: as fast as pp192c2 on a top-K plan, 1.18x on
+# a token-rounded one, which pp192c2 did not speed up at all) and dX~ 256-wide cooperative pairs (1.00-1.07x pp128c2's
+# speed on both plans, at both of the sweep's shapes): H200, three rotated rounds,
+# bench/results/2026-11-29-h200-cute_gemm-sparse-e{256,512}-{topk,rounded}-down-dx.json.
+FEW_ROWS = 512
+FEW_ROWS_DEFAULTS = {"down": "pp128c2", "dx": "co256c2"}
 
 
 def reduction(kind: str, D: int, N: int) -> int:
@@ -264,9 +274,12 @@ def reduction(kind: str, D: int, N: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)  # looked up at every launch
-def default_config(kind: str, D: int, N: int) -> Config:
-    """Per-kernel tile configuration; 256-wide (or 256-tall) tiles only where they divide the output."""
+def default_config(kind: str, D: int, N: int, rows_per_expert: int | None = None) -> Config:
+    """Per-kernel tile configuration, by shape and, where given, the routed rows per expert (FEW_ROWS); 256-wide (or
+    256-tall) tiles only where they divide the output."""
     entry = DEFAULTS[kind]
+    if rows_per_expert is not None and rows_per_expert <= FEW_ROWS and kind in FEW_ROWS_DEFAULTS:
+        entry = FEW_ROWS_DEFAULTS[kind]
     if isinstance(entry, tuple):  # (short reduction, long reduction)
         entry = entry[0] if reduction(kind, D, N) <= SHORT_K[kind] else entry[1]
     cfg = Config.parse(entry)
@@ -304,7 +317,7 @@ def down_proj(a_RN: Tensor, w2_EDN: Tensor, offsets_E1: Tensor, token_idx_R: Ten
     R = a_RN.shape[0]
     y_RD = out if out is not None else a_RN.new_empty(R, D)
     if R:
-        fn = compiled("down", a_RN.dtype, D, N, E, cfg)
+        fn = compiled("down", a_RN.dtype, D, N, E, cfg, rows=R)
         fn(a_RN, w2_EDN.permute(1, 2, 0), offsets_E1, token_idx_R, (y_RD,))
     return y_RD
 
@@ -336,7 +349,7 @@ def dx_rows(dh_RF: Tensor, w1_EFD: Tensor, offsets_E1: Tensor, token_idx_R: Tens
     R = dh_RF.shape[0]
     dxt_RD = out if out is not None else dh_RF.new_empty(R, D)
     if R:
-        fn = compiled("dx", dh_RF.dtype, D, F // 2, E, cfg)
+        fn = compiled("dx", dh_RF.dtype, D, F // 2, E, cfg, rows=R)
         fn(dh_RF, w1_EFD.permute(2, 1, 0), offsets_E1, token_idx_R, (dxt_RD,))
     return dxt_RD
 
