@@ -235,7 +235,8 @@ def main() -> None:
 
     result = {
         "what": "cute grouped GEMM kernels", "shape": dict(zip("TDNEK", SHAPES[args.shape])),
-        "name": args.shape, "plan": args.plan, "rows": R, "gpu": torch.cuda.get_device_name(), "rows": rows, "layer": layer, "chain": chain,
+        "name": args.shape, "plan": args.plan, "live_rows": R, "gpu": torch.cuda.get_device_name(), "rows": rows,
+        "layer": layer, "chain": chain,
         "first_call_s": first_call_s, "compile_s": ops.COMPILE_LOG,
     }
     gpu = torch.cuda.get_device_name().split()[-1].lower().replace(" ", "")

@@ -220,10 +220,10 @@ KINDS = ("up", "down", "dh", "dx", "dw1", "dw2")
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kernel_compiles_without_a_gpu(kind, monkeypatch):
     """Each kernel through the DSL's whole compile (trace, MLIR, PTX, cubin for sm_90a) on the CPU: the default
-    config staged and direct, the default at few rows per expert, every config of test_every_tile_config that fits, and fp16, at a shape whose widths
-    take the 256-wide tiles and at one that falls back to 128. The DSL's trace-time errors (a dynamic loop carrying
-    a Python list, range_constexpr outside a jit function, a type that changes across a branch) then fail here, in
-    CI, instead of in a device call."""
+    config staged and direct, the default at few rows per expert, every config of test_every_tile_config that fits,
+    and fp16, at a shape whose widths take the 256-wide tiles and at one that falls back to 128. The DSL's
+    trace-time errors (a dynamic loop carrying a Python list, range_constexpr outside a jit function, a type that
+    changes across a branch) then fail here, in CI, instead of in a device call."""
     from dataclasses import replace
 
     from sonic.kernels.cute import ops
