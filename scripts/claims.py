@@ -724,6 +724,17 @@ TABLES = (
                    Field("official J/TFLOP", "chain.official.joules_per_tflop", digits=2),
                    Field("ours MHz", "chain.ours.sm_mhz_median", digits=0),
                    Field("official MHz", "chain.official.sm_mhz_median", digits=0))),
+    Table("cute_few_rows", first="shape (T, d, n, E, K)", caption="The few-rows defaults (`3da7b13`: at most 512 "
+          "routed rows per expert, down `pp128c2` and dX~ `co256c2`) against the defaults before them, in one process "
+          "on one H200: the experts' f+b on the token-rounding sweep's shapes and plans as `bench.moe_layer "
+          "--sparse-sweep` builds them, five rounds alternating the two, medians (a scratch A/B, its script in the "
+          "file). × is the time before over the time with them.",
+          rows=tuple(Row(str(tuple(shape)), "bench/results/2026-11-29-h200-cute-fewrows-ab.json", {"shape": shape})
+                     for shape in ([16384, 4096, 1024, 256, 4], [16384, 4096, 512, 512, 8])),
+          columns=(Field("rounded over top-K, before", "speedup_fwdbwd.before", digits=3, suffix="×"),
+                   Field("rounded over top-K, few-rows", "speedup_fwdbwd.few_rows", digits=3, suffix="×"),
+                   Field("× top-K f+b", "few_rows_over_before_fwdbwd.topk", digits=3, suffix="×"),
+                   Field("× rounded f+b", "few_rows_over_before_fwdbwd.rounded", digits=3, suffix="×"))),
     Table("block_h200_all", first="config, backend", caption="All twelve Table 9b configs: the MoE block as "
           "`sonic_7b` builds it (router with its input centring and logit norm, routing, experts, combine; bf16 "
           "autocast, compiled as the trainer runs it) on both kernel backends, each interleaved with the official "
