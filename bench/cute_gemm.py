@@ -23,12 +23,14 @@ import datetime
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from bench.common import write_json
 from bench.energy import Nvml, NvmlUnavailable, sustained
 from bench.moe_configs import CONFIGS
+from bench.moe_layer import sparse_plans
 from sonic.kernels.cute.selfcheck import wait_or_exit
 
 SHAPES = {  # T, D, N, E, K: bench/moe_configs.py's configs under this script's --shape names
@@ -96,7 +98,7 @@ def main() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     logits = torch.randn(T, E, device=dev)
-    plan = routing_plan(logits, K, args.plan)
+    plan = sparse_plans(logits, K)[args.plan]
     R = plan.live_rows()  # a rounded plan is padded to a bound; the kernels run the live rows
     tok, off = plan.token_idx_R, plan.expert_offsets_E1
     x = torch.randn(T, D, device=dev).bfloat16()
@@ -165,9 +167,9 @@ def main() -> None:
         "dw1": (lambda c: ops.dw1(dh, x, tok, off, E, cfg=c), 2 * R * F * D, (F, D, R)),
         "dw2": (lambda c: ops.dw2(dout, ap_, tok, off, E, cfg=c), 2 * R * D * N, (D, N, R)),
     }
-    official = official_calls(x, w1, w2, dout, s, tok, off) if args.official else {}
+    official, check_official = official_calls(x, w1, w2, dout, s, tok, off) if args.official else ({}, None)
     if official:  # like for like: the official kernels compute what ours do (bf16 rounding apart)
-        checks = official.pop("check")()
+        checks = check_official()
         print("official vs ours, relative error: " + ", ".join(f"{k} {v:.1e}" for k, v in checks.items()), flush=True)
         if max(checks.values()) > 2e-2:
             raise SystemExit(f"the official kernels do not compute what ours do on these tensors: {checks}")
@@ -271,28 +273,15 @@ def main() -> None:
               f"({layer['bwd_tf']:.0f} TF)  f+b {layer['fwd_bwd_ms']:.3f} ms ({layer['fwd_bwd_tf']:.0f} TF)")
 
 
-def routing_plan(logits_TE, K: int, kind: str):
-    """The top-K plan of the logits, or its token-rounding plan (each expert's count a multiple of 128, as the
-    sparse sweep routes), so that a kernel's gain from whole tiles shows against the same logits."""
-    from sonic.routing.plan import plan_from_topk
-    from sonic.routing.token_rounding import token_rounding_plan
-
-    top, idx = logits_TE.topk(K, -1)
-    gates = torch.softmax(top, -1)
-    if kind == "rounded":
-        return token_rounding_plan(logits_TE.softmax(-1), idx, gates, 128, "nearest").plan
-    return plan_from_topk(idx, gates, logits_TE.shape[1])
-
-
 def held_line(h: dict) -> str:
     return (f"{h['ms']:.3f} ms {h['joules_per_tflop']:.2f} J/TFLOP {h['watts']:.0f} W "
             f"{h['sm_mhz_median']:.0f} MHz")
 
 
-def official_calls(x, w1, w2, dout, s, tok, off) -> dict:
+def official_calls(x, w1, w2, dout, s, tok, off) -> tuple[dict, Callable[[], dict]]:
     """The official sonic-moe layer's kernel for each of ours, through its custom ops with the arguments its layer
     passes (its weights are ours permuted as it permutes c_fc and c_proj; rows already in expert order, so its
-    score scatter is the identity), on the same tensors. "check" compares their outputs with ours."""
+    score scatter is the identity), on the same tensors; and a check that compares their outputs with ours."""
     try:
         from sonicmoe.functional import backward as ob, forward as of
     except Exception as err:  # noqa: BLE001
@@ -328,7 +317,7 @@ def official_calls(x, w1, w2, dout, s, tok, off) -> dict:
         return {k: ((ours[k].float() - theirs[k].float()).norm() / theirs[k].float().norm().clamp_min(1e-30)).item()
                 for k in ours}
 
-    return fns | {"check": check}
+    return fns, check
 
 
 if __name__ == "__main__":

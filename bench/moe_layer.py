@@ -230,20 +230,25 @@ def run_config(name, shape, backends, official, run_official, args) -> dict:
     return result
 
 
-def sparse_sweep(backends, sweep: dict, args) -> list[dict]:
-    """Experts-only kernel time, top-K plan vs token-rounded plan (counts multiples of 128)."""
+def sparse_plans(logits_TE, K: int, tile: int = 128) -> dict:
+    """The sparse sweep's two plans of the same logits: top-K, and its token-rounded plan (each expert's count
+    rounded to the nearest multiple of `tile`)."""
     from sonic.routing.token_rounding import token_rounding_plan
 
+    top, idx = logits_TE.topk(K, dim=-1)
+    gates = top.softmax(-1)
+    return {"topk": plan_from_topk(idx, gates, logits_TE.shape[1]),
+            "rounded": token_rounding_plan(logits_TE.softmax(-1), idx, gates, tile, "nearest").plan}
+
+
+def sparse_sweep(backends, sweep: dict, args) -> list[dict]:
+    """Experts-only kernel time, top-K plan vs token-rounded plan (counts multiples of 128)."""
     T, d, n, K, tile = sweep["T"], sweep["d"], sweep["n"], sweep["K"], sweep["tile"]
     out = []
     for E in sweep["Es"]:
         p = Problem(T, d, n, E, K, seed=E, device=args.device)
         with torch.no_grad():
-            logits = F.linear(p.x, p.wr).float()
-            top, idx = logits.topk(K, dim=-1)
-            gates = top.softmax(-1)
-            plans = {"topk": plan_from_topk(idx, gates, E),
-                     "rounded": token_rounding_plan(logits.softmax(-1), idx, gates, tile, "nearest").plan}
+            plans = sparse_plans(F.linear(p.x, p.wr).float(), K, tile)
         counts = plans["rounded"].counts_E()
         assert bool(((counts % tile == 0) | (counts == T)).all()), "token rounding left a partial tile"
         for bname in backends:

@@ -26,15 +26,15 @@ def test_official_without_the_package_says_what_is_missing(monkeypatch):
 
 
 def test_rounded_plan_runs_whole_tiles_of_the_same_logits():
-    """--plan rounded routes the same logits with token rounding: every expert's live rows a multiple of 128, about
-    as many rows as top-K's; the top-K plan of the same logits has partial tiles (else the comparison shows
-    nothing)."""
+    """--plan rounded (and the sparse sweep) routes the same logits with token rounding: every expert's live rows a
+    multiple of 128, about as many rows as top-K's; the top-K plan of the same logits has partial tiles (else the
+    comparison shows nothing)."""
     import torch
 
-    from bench.cute_gemm import routing_plan
+    from bench.moe_layer import sparse_plans
     torch.manual_seed(0)
-    logits = torch.randn(4096, 64)
-    topk, rounded = routing_plan(logits, 4, "topk"), routing_plan(logits, 4, "rounded")
+    plans = sparse_plans(torch.randn(4096, 64), 4)
+    topk, rounded = plans["topk"], plans["rounded"]
     assert topk.live_rows() == 4096 * 4
     assert bool((topk.counts_E() % 128 != 0).any())
     assert bool((rounded.counts_E() % 128 == 0).all())
