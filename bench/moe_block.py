@@ -18,6 +18,14 @@ bench/results/<date>-<gpu>-moe_block.json:
   best_ratio_*        the same from each side's best round (its lowest fwd and f+b ms): the official
                       layer's f+b moves a lot between rounds, so one statistic alone misleads
   load_max_over_mean  the block's routed rows per expert on the timed input, busiest over mean (1: balanced)
+  floor_fwd/fb_ms     the batched-GEMM floor, timed in the same rounds: the experts' products as torch.bmm over
+                      E experts of T*K/E rows each (up and down; with f+b also dH, dX~, dW1, dW2), the per-expert
+                      shapes at perfectly even routing with contiguous rows, no gather, no fused epilogue, no
+                      router, routing or gather-sum (the paper's cuBLAS batched-GEMM upper bound; null where E
+                      does not divide T*K)
+  of_floor_fwd/fb     the floor's median ms over the block's: the share of that bound the block reaches
+  bound_fwd/fb        the official layer's median ms over the floor's: the most any block could show as its
+                      ratio_fwd/fb if all its time were those GEMMs at cuBLAS speed
   compile_s           wall seconds of the backend's first fwd+bwd on the shape: compilation
                       included unless the triton / cute (SONIC_CUTE_CACHE_DIR) disk caches hold it
   check               relative error of O, dX, dW1, dW2 and the router's dW vs the same block on
@@ -187,6 +195,45 @@ def setup_official(official, p: Problem, aux_coef: float, cuda: bool) -> dict:
     return off
 
 
+def batched_floor(p: Problem) -> dict | None:
+    """{"floor_fwd", "floor_fb"} callables of the batched-GEMM floor (module docstring), or None where E does not
+    divide T*K. The operands are random, in p's dtype; the f+b one reuses the row operands for dO, dH and A'."""
+    T, d, n, E, K = p.shape
+    if T * K % E:
+        return None
+    m = T * K // E
+    rnd = lambda *s: torch.randn(*s, device=p.device, dtype=p.x.dtype)  # noqa: E731
+    x_EMD, a_EMN, dh_EMF = rnd(E, m, d), rnd(E, m, n), rnd(E, m, 2 * n)
+    w1_EFD, w2_EDN = rnd(E, 2 * n, d), rnd(E, d, n)
+    h_EMF, y_EMD, dxt_EMD = dh_EMF.new_empty(E, m, 2 * n), x_EMD.new_empty(E, m, d), x_EMD.new_empty(E, m, d)
+    da_EMN, dw1_EFD, dw2_EDN = a_EMN.new_empty(E, m, n), torch.empty_like(w1_EFD), torch.empty_like(w2_EDN)
+
+    def fwd():
+        torch.bmm(x_EMD, w1_EFD.transpose(1, 2), out=h_EMF)  # up: H = X W1^T
+        torch.bmm(a_EMN, w2_EDN.transpose(1, 2), out=y_EMD)  # down: Y = A W2^T
+
+    def fb():
+        fwd()
+        torch.bmm(x_EMD, w2_EDN, out=da_EMN)  # dH: dA' = dO W2
+        torch.bmm(dh_EMF, w1_EFD, out=dxt_EMD)  # dX~ = dH W1
+        torch.bmm(dh_EMF.transpose(1, 2), x_EMD, out=dw1_EFD)  # dW1 = dH^T X
+        torch.bmm(x_EMD.transpose(1, 2), a_EMN, out=dw2_EDN)  # dW2 = dO^T A'
+
+    return {"floor_fwd": fwd, "floor_fb": fb}
+
+
+def floor_fields(times: dict[str, list[float]]) -> dict:
+    """floor_*_ms, of_floor_* and bound_* (module docstring) from interleaved rounds' medians; bound_* None
+    without the official layer's rounds."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out = {}
+    for phase in ("fwd", "fb"):
+        floor = med[f"floor_{phase}"]
+        out |= {f"floor_{phase}_ms": floor, f"of_floor_{phase}": floor / med[phase],
+                f"bound_{phase}": med[f"official_{phase}"] / floor if f"official_{phase}" in med else None}
+    return out
+
+
 def block_grads(moe, p: Problem, autocast: bool, seq_len: int) -> dict:
     x_TD = p.x.detach().clone().requires_grad_()
     moe.zero_grad(set_to_none=True)
@@ -215,6 +262,7 @@ def run_block_config(name, shape, backends, official, args, done, emit) -> None:
     aux_coef = routing.aux_loss_coef
     routes_as_official = (routing.method, routing.order, routing.input_centring) == ("topk", "topk_softmax", "none")
     ref = None
+    floor = batched_floor(p)
     off, off_err = None, None
     if official is not None:
         try:
@@ -246,10 +294,15 @@ def run_block_config(name, shape, backends, official, args, done, emit) -> None:
             rec["check_ok"] = rec["max_err"] <= 2e-2
             rec["held_mib"] = held_mib(forward, cuda)
             rec["load_max_over_mean"] = load_max_over_mean(moe, p.x, cuda, args.seq_len)
-            fns, grad_leaves = {"fwd": fwd, "fb": fb}, {"fwd": leaves, "fb": leaves}
-            if off is not None:  # order within a round: ours fwd, official fwd, ours fb, official fb
-                fns = {"fwd": fwd, "official_fwd": off["fwd"], "fb": fb, "official_fb": off["fb"]}
-                grad_leaves |= {"official_fwd": off["leaves"], "official_fb": off["leaves"]}
+            # order within a round: ours fwd, official fwd, the floor's fwd, then the same for f+b
+            fns, grad_leaves = {}, {"fwd": leaves, "fb": leaves}
+            for phase, ours in (("fwd", fwd), ("fb", fb)):
+                fns[phase] = ours
+                if off is not None:
+                    fns[f"official_{phase}"] = off[phase]
+                    grad_leaves[f"official_{phase}"] = off["leaves"]
+                if floor is not None:
+                    fns[f"floor_{phase}"] = floor[f"floor_{phase}"]
             times = interleaved_ms(fns, grad_leaves, args.rounds, args.warmup, args.rep)
             med = {k: statistics.median(v) for k, v in times.items()}
             rec["rounds_ms"] = times
@@ -259,13 +312,17 @@ def run_block_config(name, shape, backends, official, args, done, emit) -> None:
                 rec.update(official_held_mib=off["held_mib"], official_compile_s=off["compile_s"],
                            official_err_out=rel_err(off["out"], ref["out"]) if routes_as_official else None,
                            **ratios(times))
+            if floor is not None:
+                rec.update(floor_fields(times))
             for t in leaves:
                 t.grad = None
             vs = (f"official f+b {rec['official_fb_tflops']:.3g}; Sonic/official median (best round): "
                   + ", ".join(f"{phase} {ratio_pair(rec, phase)}" for phase in ("f+b", "fwd", "bwd"))) \
                 if off else "no official"
+            floor_note = (f"  batched-GEMM floor: f+b at {rec['of_floor_fb']:.2f} of its speed, bound x "
+                          f"{fmt(rec['bound_fb'], '.2f')}") if floor is not None else ""
             print(f"{backend:>10}: f+b {rec['fb_tflops']:.3g} TF  fwd {rec['fwd_tflops']:.3g}  {vs}  "
-                  f"err {rec['max_err']:.1e}  (first call {rec['compile_s']:.1f}s)", flush=True)
+                  f"err {rec['max_err']:.1e}  (first call {rec['compile_s']:.1f}s){floor_note}", flush=True)
         except Exception as err:  # noqa: BLE001 - one failing backend must not end the run
             rec |= {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]}
             print(f"{backend:>10}: FAILED {rec['error'][:300]}", flush=True)
@@ -290,17 +347,19 @@ def block_summary(records) -> str:
     rows = []
     for r in records:
         if r.get("error"):
-            rows.append([r["config"], r["backend"], "FAILED", "", "", "", "", "", "", "", "", "", "", r["error"][:40]])
+            rows.append([r["config"], r["backend"], "FAILED", *[""] * 12, r["error"][:40]])
             continue
         rows.append([r["config"], r["backend"], fmt(r["fwd_tflops"]), fmt(r["bwd_tflops"]), fmt(r["fb_tflops"]),
                      fmt(r["held_mib"], ".0f"), fmt(r["official_fb_tflops"]), fmt(r["official_held_mib"], ".0f"),
                      ratio_pair(r, "f+b"), ratio_pair(r, "fwd"), ratio_pair(r, "bwd"),
-                     fmt(r["compile_s"], ".1f"), fmt(r.get("load_max_over_mean"), ".2f"),
+                     fmt(r.get("of_floor_fb"), ".2f"), fmt(r.get("bound_fb"), ".2f"), fmt(r["compile_s"], ".1f"), fmt(r.get("load_max_over_mean"), ".2f"),
                      fmt(r["max_err"], ".1e") + ("" if r["check_ok"] else " BAD")])
     return ("MoE block (router + routing + experts + combine, as trained): TFLOPS, held MiB; official = "
-            "sonic-moe in this process, interleaved; x = Sonic over official, median (best round)\n"
+            "sonic-moe in this process, interleaved; x = Sonic over official, median (best round); of floor = the "
+            "batched-GEMM floor's ms over ours, bound = official's over the floor's\n"
             + table(rows, ["config", "backend", "fwd", "bwd", "f+b", "held", "official f+b", "official held",
-                           "x f+b", "x fwd", "x bwd", "compile s", "load max/mean", "max err"]))
+                           "x f+b", "x fwd", "x bwd", "of floor f+b", "bound x f+b", "compile s", "load max/mean",
+                           "max err"]))
 
 
 def run_block(configs, args) -> None:

@@ -13,9 +13,11 @@ from bench import common, moe_block, moe_configs, moe_layer
 REQUIRED = {"gpu": str, "config": str, "backend": str, "fwd_tflops": float, "bwd_tflops": float, "fb_tflops": float,
             "held_mib": type(None), "official_fb_tflops": type(None), "official_held_mib": type(None),
             "compile_s": float, "load_max_over_mean": float} | dict.fromkeys(moe_block.RATIO_FIELDS, type(None))
-# per-round ms: the medians are fwd 2, official 4, f+b 6, official 10; the best rounds fwd 1, 3, f+b 4, 8
+# per-round ms: the medians are fwd 2, official 4, floor 1, f+b 6, official 10, floor 3; the best rounds fwd 1, 3,
+# f+b 4, 8
 FIXED_MS = {"fwd": [2.0, 1.0, 3.0, 2.0, 2.5, 1.5, 9.0], "official_fwd": [4.0, 3.0, 5.0, 4.0, 4.5, 3.5, 9.0],
-            "fb": [6.0, 4.0, 9.0, 6.0, 7.0, 5.0, 20.0], "official_fb": [12.0, 8.0, 10.0, 10.0, 11.0, 9.0, 30.0]}
+            "fb": [6.0, 4.0, 9.0, 6.0, 7.0, 5.0, 20.0], "official_fb": [12.0, 8.0, 10.0, 10.0, 11.0, 9.0, 30.0],
+            "floor_fwd": [1.0] * 7, "floor_fb": [3.0, 2.0, 4.0, 3.0, 3.0, 3.0, 5.0]}
 
 
 @pytest.fixture
@@ -42,7 +44,8 @@ def test_block_bench_cpu_record(tmp_path, fixed_times):
     moe_block.main(["--device", "cpu", "--shape", "64,32,16,4,2", "--json", str(out)])
     payload = json.loads(out.read_text())
     assert payload["mode"] == "block" and payload["official_unavailable"] == "--device cpu"
-    assert payload["rounds"] == 7 and fixed_times == [(["fwd", "fb"], 7)]  # at least 7 rounds by default
+    # at least 7 rounds by default; the batched-GEMM floor timed in the same rounds
+    assert payload["rounds"] == 7 and fixed_times == [(["fwd", "floor_fwd", "fb", "floor_fb"], 7)]
     [rec] = payload["records"]
     assert "error" not in rec, rec.get("trace")
     for field, kind in REQUIRED.items():
@@ -54,7 +57,10 @@ def test_block_bench_cpu_record(tmp_path, fixed_times):
     assert rec["bwd_tflops"] == pytest.approx(12 * u / 4) and rec["compile_s"] > 0
     # the block is checked against itself on the reference backend: the same routing, so exact
     assert rec["check_ok"] and rec["max_err"] == 0 and set(rec["check"]) == {"out", "dx", "dw1", "dw2", "drouter"}
-    assert rec["rounds_ms"] == {"fwd": FIXED_MS["fwd"], "fb": FIXED_MS["fb"]}
+    assert rec["rounds_ms"] == {k: FIXED_MS[k] for k in ("fwd", "floor_fwd", "fb", "floor_fb")}
+    assert (rec["floor_fwd_ms"], rec["floor_fb_ms"]) == (1.0, 3.0)  # medians
+    assert (rec["of_floor_fwd"], rec["of_floor_fb"]) == (1 / 2, 3 / 6)  # the floor's ms over ours
+    assert rec["bound_fwd"] is None and rec["bound_fb"] is None  # no official layer to bound
     assert "64,32,16,4,2" not in moe_configs.CONFIGS  # an extra shape is the run's, not the module's
     assert 1 <= rec["load_max_over_mean"] <= 4 / 2  # between balanced and E / K
 
@@ -119,7 +125,8 @@ def test_block_bench_official_fields_with_a_stand_in(fixed_times, model):
     moe_block.run_block_config("tiny", (48, 32, 16, 4, 2), ["reference"], official, args, set(), records.append)
     [rec] = records
     assert "error" not in rec, rec.get("trace")
-    assert fixed_times == [(["fwd", "official_fwd", "fb", "official_fb"], 7)]  # interleaved within each round
+    # interleaved within each round
+    assert fixed_times == [(["fwd", "official_fwd", "floor_fwd", "fb", "official_fb", "floor_fb"], 7)]
     assert rec["official_compile_s"] > 0 and rec["official_held_mib"] is None
     assert rec["official_fb_tflops"] == pytest.approx(18 * unit((48, 32, 16, 4, 2)) / 10)
     # Sonic over official, official ms / ours: medians, then each side's best round; bwd = f+b - fwd
@@ -127,12 +134,30 @@ def test_block_bench_official_fields_with_a_stand_in(fixed_times, model):
     assert rec["best_ratio_fwd"] == 3 / 1 and rec["best_ratio_fb"] == 8 / 4
     assert rec["best_ratio_bwd"] == (8 - 3) / (4 - 1)
     assert rec["ratio_fb"] == pytest.approx(rec["fb_tflops"] / rec["official_fb_tflops"])
+    assert rec["bound_fwd"] == 4 / 1 and rec["bound_fb"] == 10 / 3  # the official layer's ms over the floor's
     if model == "tiny":
         assert rec["official_err_out"] < 1e-2  # same weights, same top-K + softmax routing
     else:  # sonic_7b centres the router's input: other picks, so no output comparison
         assert rec["official_err_out"] is None
     summary = moe_block.block_summary(records)
     assert "1.67 (2.00)" in summary and "2.00 (3.00)" in summary and "1.50 (1.67)" in summary
+
+
+@pytest.mark.parametrize("phase, tknd", [("floor_fwd", 6), ("floor_fb", 18)])
+def test_batched_floor_does_the_papers_flops(phase, tknd):
+    """The floor's products are the experts' at even routing: 6 TKnd forward, 18 TKnd forward and backward, the FLOPs
+    the TFLOPS columns divide by (so its ms and the block's are for the same work)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    T, d, n, E, K = shape = (64, 32, 16, 4, 2)
+    floor = moe_block.batched_floor(moe_layer.Problem(*shape, device="cpu"))
+    with FlopCounterMode(display=False) as counter:
+        floor[phase]()
+    assert counter.get_total_flops() == tknd * T * K * n * d
+
+
+def test_batched_floor_needs_whole_rows_per_expert():
+    assert moe_block.batched_floor(moe_layer.Problem(30, 32, 16, 8, 2, device="cpu")) is None  # 60 rows over 8
 
 
 def test_ratios_are_none_where_a_backward_is_not_positive():
