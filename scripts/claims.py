@@ -669,7 +669,7 @@ TABLES = (
           "sonic/), interleaved with the official layer as above, seven rounds, one H200 each (`bash bench/gpu.sh block` with "
           "`BLOCK_ARGS=\"--configs 30B,7B,120B --backends triton --compile only --rounds 7\"`, the official layer's "
           "autotune cache carried in; at `c2c51c4` two calls on one machine, 30B and 120B with a cold cache, then "
-          "7B; at `3ddb28a` likewise, the cache carried in; at `e416fb3` and `03559dc` the three in one call), beside the full table's triton rows (`c9ddd54`, before them). The official layer's f+b TFLOPS column "
+          "7B; at `3ddb28a` likewise, the cache carried in; at `e416fb3` and `03559dc` the three in one call), beside the `c9ddd54` table's triton rows (before them). The official layer's f+b TFLOPS column "
           "moves between calls and the × with it; Sonic's own f+b TFLOPS column is the steadier reading.",
           rows=tuple(Row(f"{config}, triton+compile, {commit}", file, {"config": config, "backend": "triton+compile"})
                      for config in ("7B", "30B", "120B")
@@ -689,7 +689,7 @@ TABLES = (
           "at 7B, `bench/results/2026-11-28-h200-cute-dh-direct-ab.json`), interleaved with the official layer as "
           "above, seven rounds, one H200, one call with the official layer's autotune cache carried in (`bash "
           "bench/gpu.sh block` with `BLOCK_ARGS=\"--configs 30B,120B,7B --backends cute --compile only --rounds 7\"`), "
-          "beside the full table's cute rows (`c9ddd54`, before it). In this call the official layer's 7B f+b ran at "
+          "beside the `c9ddd54` table's cute rows (before it). In this call the official layer's 7B f+b ran at "
           "244 TFLOPS, against 337-386 in the other calls of these tables: its 7B × reads that slow official run; "
           "Sonic's own f+b TFLOPS column is the steadier reading.",
           rows=tuple(Row(f"{config}, cute+compile, {commit}", file, {"config": config, "backend": "cute+compile"})
@@ -738,10 +738,22 @@ TABLES = (
     Table("block_h200_all", first="config, backend", caption="All twelve Table 9b configs: the MoE block as "
           "`sonic_7b` builds it (router with its input centring and logit norm, routing, experts, combine; bf16 "
           "autocast, compiled as the trainer runs it) on both kernel backends, each interleaved with the official "
-          "sonic-moe 0.1.2.post1 layer (router included) in one process, seven rounds, one H200 "
-          "(`bash bench/gpu.sh block` with `BLOCK_ARGS=\"--backends cute,triton --compile only --resume\"`, "
-          "`c9ddd54`, three calls resuming one file, the official layer's autotune cache carried between them). "
-          "× is Sonic over official, from the medians and from each side's best round.",
+          "sonic-moe 0.1.2.post1 layer (router included) and the batched-GEMM floor in one process, seven rounds, one "
+          "H200 (`bash bench/gpu.sh block` with `BLOCK_ARGS=\"--backends cute,triton --compile only --resume\"`, "
+          "`e216b1b`, three calls resuming one file, the official layer's autotune cache carried between them). × is "
+          "Sonic over official, from the medians and from each side's best round. The floor is the experts' six "
+          "products as `torch.bmm` at even routing (no gather, fused epilogue, router, routing or gather-sum: the "
+          "paper's cuBLAS batched-GEMM bound); `of floor` is its ms over the block's, `bound ×` the official layer's "
+          "ms over its: the most any block could show in the × f+b column.",
+          rows=tuple(Row(f"{config}, {backend}+compile", "bench/results/2026-11-29-h200-moe_block.json",
+                         {"config": config, "backend": f"{backend}+compile"})
+                     for config in ("1.4B", "1.4B-E64", "1.4B-E32", "7B", "7B-E64", "7B-E32", "30B-E256", "30B",
+                                    "30B-E64", "120B-E256", "120B", "120B-E64")
+                     for backend in ("cute", "triton")),
+          columns=(*BLOCK_COLUMNS[:6], Field("of floor, f+b", "of_floor_fb", digits=2),
+                   Field("bound × f+b", "bound_fb", digits=2, suffix="×"), *BLOCK_COLUMNS[6:])),
+    Table("block_h200_c9ddd54", first="config, backend", caption="The same table at `c9ddd54` (2026-11-26), before "
+          "the kernel changes since (three calls resuming one file, as above; no floor then).",
           rows=tuple(Row(f"{config}, {backend}+compile", "bench/results/2026-11-26-h200-moe_block.json",
                          {"config": config, "backend": f"{backend}+compile"})
                      for config in ("1.4B", "1.4B-E64", "1.4B-E32", "7B", "7B-E64", "7B-E32", "30B-E256", "30B",
