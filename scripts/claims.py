@@ -297,6 +297,14 @@ def sweep_columns(*configs: str) -> tuple[Field, ...]:
             Field("cuBLAS ms", "cublas_ms", digits=3))
 
 
+def table_9b_block_rows(file: str) -> tuple[Row, ...]:
+    """A full bench.moe_block table's rows: Table 9b's twelve configs, each on cute and triton, compiled."""
+    return tuple(Row(f"{config}, {backend}+compile", file, {"config": config, "backend": f"{backend}+compile"})
+                 for config in ("1.4B", "1.4B-E64", "1.4B-E32", "7B", "7B-E64", "7B-E32", "30B-E256", "30B",
+                                "30B-E64", "120B-E256", "120B", "120B-E64")
+                 for backend in ("cute", "triton"))
+
+
 def store_ab_rows(file: str) -> tuple[Row, ...]:
     """The rows of a down/dX~ store-epilogue A/B (a "rows" list keyed by shape and kernel), four shapes x both."""
     return tuple(Row(f"{name}, {kernel}", file, {"shape": shape, "kernel": kernel}, "rows")
@@ -745,20 +753,12 @@ TABLES = (
           "products as `torch.bmm` at even routing (no gather, fused epilogue, router, routing or gather-sum: the "
           "paper's cuBLAS batched-GEMM bound); `of floor` is its ms over the block's, `bound ×` the official layer's "
           "ms over its: the most any block could show in the × f+b column.",
-          rows=tuple(Row(f"{config}, {backend}+compile", "bench/results/2026-11-29-h200-moe_block.json",
-                         {"config": config, "backend": f"{backend}+compile"})
-                     for config in ("1.4B", "1.4B-E64", "1.4B-E32", "7B", "7B-E64", "7B-E32", "30B-E256", "30B",
-                                    "30B-E64", "120B-E256", "120B", "120B-E64")
-                     for backend in ("cute", "triton")),
+          rows=table_9b_block_rows("bench/results/2026-11-29-h200-moe_block.json"),
           columns=(*BLOCK_COLUMNS[:6], Field("of floor, f+b", "of_floor_fb", digits=2),
                    Field("bound × f+b", "bound_fb", digits=2, suffix="×"), *BLOCK_COLUMNS[6:])),
     Table("block_h200_c9ddd54", first="config, backend", caption="The same table at `c9ddd54` (2026-11-26), before "
           "the kernel changes since (three calls resuming one file, as above; no floor then).",
-          rows=tuple(Row(f"{config}, {backend}+compile", "bench/results/2026-11-26-h200-moe_block.json",
-                         {"config": config, "backend": f"{backend}+compile"})
-                     for config in ("1.4B", "1.4B-E64", "1.4B-E32", "7B", "7B-E64", "7B-E32", "30B-E256", "30B",
-                                    "30B-E64", "120B-E256", "120B", "120B-E64")
-                     for backend in ("cute", "triton")),
+          rows=table_9b_block_rows("bench/results/2026-11-26-h200-moe_block.json"),
           columns=BLOCK_COLUMNS),
     Table("block_h200", first="config, backend", caption="The MoE block as `sonic_7b` builds it (router with "
           "its input centring, routing, experts, combine; bf16 autocast) at Table 9b shapes vs the official "
