@@ -69,7 +69,10 @@
 #          version and a hash of the kernel sources; optional). A fresh machine compiles every cute kernel the
 #          tests and the smoke use (minutes); after a stage that compiles them, those of this tree's sources come
 #          back as $OUT/cute_cache.tar.gz: unpack it here (rm -rf .cute_cache && mkdir .cute_cache && tar -xzf
-#          <returned>/cute_cache.tar.gz -C .cute_cache) and carry .cute_cache while the cute sources stay as they are
+#          <returned>/cute_cache.tar.gz -C .cute_cache) and carry .cute_cache while the cute sources stay as they are.
+#          Or fill it here, on the CPU and no device time (the DSL compiles for sm_90a without a GPU):
+#            python -m bench.cute_cache --out .cute_cache [--configs 7B,30B] [--from <an older cache folder>] --jobs 2
+#          (--from recompiles every kernel an older cache names, e.g. the tests' shapes after a kernel change)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 SONIC_CUTE_CACHE_DIR=/root/.cache/sonic/cute
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast here
