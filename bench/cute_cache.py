@@ -29,7 +29,8 @@ from bench.moe_configs import TABLE_9B_NAMES, select_configs
 
 DTYPES = ("bfloat16", "float16")
 # ops._compile_cached's object names: "sonic_" + the kernel key with every run of other characters as "_" + "_<hash>.o"
-GEMM_NAME = re.compile(r"sonic_(up|down|dh|dx|dw1|dw2)_(b?float16)_D(\d+)_N(\d+)_E(\d+)_([a-z0-9]+)_sm(\d+)_[0-9a-f]{16}\.o")
+GEMM_NAME = re.compile(r"sonic_(up|down|dh|dx|dw1|dw2)_(b?float16)_D(\d+)_N(\d+)_E(\d+)_([a-z0-9]+)_sm(\d+)"
+                       r"_[0-9a-f]{16}\.o")
 GATHER_SUM_NAME = re.compile(r"sonic_gather_sum_(b?float16)_D(\d+)_w([01])_l(\d+)_[0-9a-f]{16}\.o")
 
 

@@ -352,7 +352,8 @@ def block_summary(records) -> str:
         rows.append([r["config"], r["backend"], fmt(r["fwd_tflops"]), fmt(r["bwd_tflops"]), fmt(r["fb_tflops"]),
                      fmt(r["held_mib"], ".0f"), fmt(r["official_fb_tflops"]), fmt(r["official_held_mib"], ".0f"),
                      ratio_pair(r, "f+b"), ratio_pair(r, "fwd"), ratio_pair(r, "bwd"),
-                     fmt(r.get("of_floor_fb"), ".2f"), fmt(r.get("bound_fb"), ".2f"), fmt(r["compile_s"], ".1f"), fmt(r.get("load_max_over_mean"), ".2f"),
+                     fmt(r.get("of_floor_fb"), ".2f"), fmt(r.get("bound_fb"), ".2f"), fmt(r["compile_s"], ".1f"),
+                     fmt(r.get("load_max_over_mean"), ".2f"),
                      fmt(r["max_err"], ".1e") + ("" if r["check_ok"] else " BAD")])
     return ("MoE block (router + routing + experts + combine, as trained): TFLOPS, held MiB; official = "
             "sonic-moe in this process, interleaved; x = Sonic over official, median (best round); of floor = the "
