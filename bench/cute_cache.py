@@ -83,9 +83,16 @@ def _worker_init(out: str) -> None:
 def fill(jobs: list[tuple], out: Path, processes: int) -> list[tuple[tuple, float, bool]]:
     """Every job's kernel in `out`, over `processes` processes (1: this one)."""
     out.mkdir(parents=True, exist_ok=True)
-    if processes <= 1:
+    if processes <= 1:  # in this process: the caller's SONIC_CUTE_CACHE_DIR comes back afterwards
+        before = os.environ.get("SONIC_CUTE_CACHE_DIR")
         _worker_init(str(out))
-        return [compile_job(j) for j in jobs]
+        try:
+            return [compile_job(j) for j in jobs]
+        finally:
+            if before is None:
+                os.environ.pop("SONIC_CUTE_CACHE_DIR")
+            else:
+                os.environ["SONIC_CUTE_CACHE_DIR"] = before
     with multiprocessing.get_context("spawn").Pool(processes, _worker_init, (str(out),)) as pool:
         return pool.map(compile_job, jobs, chunksize=1)
 

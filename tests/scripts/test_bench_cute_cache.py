@@ -1,5 +1,7 @@
 """bench.cute_cache: fills a cache folder on the CPU with the kernels a config takes, names them back from the
 files (its --from), and loads what is already there instead of compiling it again."""
+import os
+
 import pytest
 
 from bench import cute_cache
@@ -16,7 +18,7 @@ needs_dsl = pytest.mark.skipif(_dsl_reason() is not None, reason=f"{_dsl_reason(
 
 
 @needs_dsl
-def test_fills_a_config_and_names_every_file_back(tmp_path, capsys):
+def test_fills_a_config_and_names_every_file_back(tmp_path, capsys, monkeypatch):
     out = tmp_path / "cache"
     assert cute_cache.main(["--out", str(out), "--shape", ",".join(map(str, SHAPE)), "--jobs", "2"]) == 0
     assert "(8 compiled, 0 already there)" in capsys.readouterr().out  # six GEMMs and two gather-sums, 2 processes
@@ -25,8 +27,10 @@ def test_fills_a_config_and_names_every_file_back(tmp_path, capsys):
     # every file names its kernel back (--from), as the config's own list has it
     assert sorted(map(cute_cache.kernels_of_object, files), key=str) == sorted(
         cute_cache.kernels_of_config(SHAPE, 132), key=str)
-    # a second fill from those files loads them all and compiles none
+    # a second fill from those files loads them all and compiles none, and leaves this process's cache setting
+    monkeypatch.setenv("SONIC_CUTE_CACHE_DIR", "off")
     assert cute_cache.main(["--out", str(out), "--from", str(out)]) == 0
+    assert os.environ["SONIC_CUTE_CACHE_DIR"] == "off"
     assert "(0 compiled, 8 already there)" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir() if p.suffix == ".o") == files
 
