@@ -57,7 +57,7 @@ def use_tiles(tiles: dict[str, str]) -> None:
     ops.DEFAULTS.update(tiles)
     for kind in tiles:  # at few rows per expert too
         ops.FEW_ROWS_DEFAULTS.pop(kind, None)
-    ops.default_config.cache_clear()
+    ops.tile_config.cache_clear()
 
 
 def measure(tag: str, shapes: dict, backend: str, seq_len: int, device: str, tiles: str = "") -> dict:

@@ -334,6 +334,18 @@ def test_few_rows_per_expert_take_their_own_down_and_dx_configs():
             assert ops.default_config(kind, D, N, ops.FEW_ROWS + 1) == ops.default_config(kind, D, N)
 
 
+@needs_dsl
+def test_default_config_cache_holds_one_entry_per_few_rows_class_not_per_row_count():
+    """The launchers pass their routed-row count at every call, and under token rounding it changes every step: the
+    cached lookup keeps two answers per shape (few rows or not), however many distinct counts it has seen."""
+    from sonic.kernels.cute import ops
+
+    ops.tile_config.cache_clear()
+    seen = {ops.default_config("down", 4096, 512, rows) for rows in range(1, 4 * ops.FEW_ROWS, 7)}
+    assert seen == {ops.default_config("down", 4096, 512, 1), ops.default_config("down", 4096, 512)}
+    assert ops.tile_config.cache_info().currsize == 2
+
+
 @pytest.mark.gpu
 @needs_cute
 def test_configs_a_kernel_cannot_run_are_refused():

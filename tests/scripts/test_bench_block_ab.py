@@ -57,7 +57,7 @@ def test_use_tiles_replaces_the_default_the_kernels_look_up(monkeypatch):
 
     monkeypatch.setattr(ops, "DEFAULTS", dict(ops.DEFAULTS))
     monkeypatch.setattr(ops, "FEW_ROWS_DEFAULTS", dict(ops.FEW_ROWS_DEFAULTS))
-    ops.default_config.cache_clear()
+    ops.tile_config.cache_clear()
     before = {k: ops.default_config(k, 4096, 512) for k in ("up", "dh")}
     assert str(before["up"]) == "co256"
     assert str(ops.default_config("dx", 4096, 512, 256)) == "co256c2"  # few rows per expert: its own default
@@ -65,4 +65,4 @@ def test_use_tiles_replaces_the_default_the_kernels_look_up(monkeypatch):
     assert str(ops.default_config("up", 4096, 512)) == "pp128" and ops.default_config("dh", 4096, 512) == before["dh"]
     assert str(ops.default_config("dx", 4096, 512, 256)) == "pp192c2"  # the A/B's config at every row count
     assert str(ops.default_config("down", 4096, 512, 256)) == "pp128c2"  # kernels not named keep theirs
-    ops.default_config.cache_clear()  # the monkeypatch restores DEFAULTS after this test; its answers must not stay
+    ops.tile_config.cache_clear()  # the monkeypatch restores DEFAULTS after this test; its answers must not stay

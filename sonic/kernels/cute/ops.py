@@ -260,10 +260,12 @@ DEFAULTS = {"up": ("pp128", "co256"), "down": ("pp192c2", "pp128c2"), "dh": "pp1
 SHORT_K = {"up": 1536, "down": 512, "dx": 512}  # the longest reduction a tuple's first (short) config takes
 # Few rows per expert (at most FEW_ROWS routed rows per expert on average, padding included; the token-rounding sweep's
 # 256, and no Table 9b config: their fewest are Qwen3-Next's 640): each expert's weights serve two or three row tiles.
-# There down takes 128-wide ping-pong pairs at every reduction (n 512: as fast as pp192c2 on a top-K plan, 1.18x on
-# a token-rounded one, which pp192c2 did not speed up at all) and dX~ 256-wide cooperative pairs (1.00-1.07x pp128c2's
-# speed on both plans, at both of the sweep's shapes): H200, three rotated rounds,
-# bench/results/2026-11-29-h200-cute_gemm-sparse-e{256,512}-{topk,rounded}-down-dx.json.
+# There down takes 128-wide ping-pong pairs at every reduction (the kernel alone at n 512: as fast as pp192c2 on a top-K
+# plan, 1.18x on a token-rounded one, which pp192c2 did not speed up at all) and dX~ 256-wide cooperative pairs
+# (1.00-1.07x pp128c2's speed on both plans, at both of the sweep's shapes): H200, three rotated rounds,
+# bench/results/2026-11-29-h200-cute_gemm-sparse-e{256,512}-{topk,rounded}-down-dx.json. In the experts' f+b the two
+# together took 1.00x (E 256) and 1.01x (E 512) the time of the defaults before them on the top-K plan, 0.96x and
+# 0.98x on the rounded one (bench/results/2026-11-29-h200-cute-fewrows-ab.json).
 FEW_ROWS = 512
 FEW_ROWS_DEFAULTS = {"down": "pp128c2", "dx": "co256c2"}
 
@@ -273,13 +275,16 @@ def reduction(kind: str, D: int, N: int) -> int:
     return {"up": D, "down": N, "dx": 2 * N}[kind]
 
 
-@functools.lru_cache(maxsize=None)  # looked up at every launch
 def default_config(kind: str, D: int, N: int, rows_per_expert: int | None = None) -> Config:
     """Per-kernel tile configuration, by shape and, where given, the routed rows per expert (FEW_ROWS); 256-wide (or
     256-tall) tiles only where they divide the output."""
-    entry = DEFAULTS[kind]
-    if rows_per_expert is not None and rows_per_expert <= FEW_ROWS and kind in FEW_ROWS_DEFAULTS:
-        entry = FEW_ROWS_DEFAULTS[kind]
+    return tile_config(kind, D, N, rows_per_expert is not None and rows_per_expert <= FEW_ROWS)
+
+
+@functools.lru_cache(maxsize=None)  # looked up at every launch: keyed by the few-rows class, never the row count
+def tile_config(kind: str, D: int, N: int, few_rows: bool) -> Config:
+    """default_config's answer for a shape and whether its experts have few routed rows (ops.FEW_ROWS)."""
+    entry = FEW_ROWS_DEFAULTS.get(kind, DEFAULTS[kind]) if few_rows else DEFAULTS[kind]
     if isinstance(entry, tuple):  # (short reduction, long reduction)
         entry = entry[0] if reduction(kind, D, N) <= SHORT_K[kind] else entry[1]
     cfg = Config.parse(entry)
