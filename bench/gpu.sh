@@ -28,6 +28,8 @@
 #              --resume to continue a cut-short run). The official layer's autotune results are kept in
 #              .quack_cache/<gpu> (QUACK_CACHE_DIR, QUACK_CACHE_AUTOTUNING=1) and come back as
 #              $OUT/quack_cache-<gpu>.tar.gz: see .quack_cache below
+#   attention  causal attention by each core (sdpa, flex, fa4) at sonic_7b's shape, fwd and fwd+bwd, interleaved
+#              (python -m bench.attention); $ATTENTION_ARGS adds options. fa4 needs flash-attn-4 and einops in .whl
 #   centring   the router's prefix centring alone: fused Triton kernels vs the PyTorch definition and the plain
 #              linear router, fwd and bwd, at sonic_7b's, 30B's and OLMoE's d and E (python -m bench.centring);
 #              $CENTRING_ARGS adds options (e.g. --sweep 32,64,4/64,128,4 for tile configs)
@@ -52,7 +54,9 @@
 #
 # What the GPU image lacks travels in ignored folders named in the call's `carry`:
 #   .whl   wheels: hydra-core, omegaconf, antlr4-python3-runtime (needed), liger-kernel and
-#          cut-cross-entropy (optional loss backends); installed into /tmp/site by every call
+#          cut-cross-entropy (optional loss backends), flash-attn-4 and einops (the fa4 attention core, which auto
+#          takes where it can run; its CuTe DSL and quack-kernels come with .gpu's bundle); installed into /tmp/site
+#          by every call
 #   .gpu   the CuTe DSL + official sonic-moe bundle (../shared/gpu/bundle.sh, two calls), for cute
 #          and for the official baseline; found at /root/gpu once unpacked. Call 1 (carry .gpu/a) only copies
 #          .gpu/a/part to /root/gpu/part.a; any stage run with .gpu/b carried unpacks the two itself
@@ -122,6 +126,9 @@ run_stage() {
       timeout "${TILES_S:-500}" python3 -m bench.block_ab --tree default=. --tree tiles=. --tiles "tiles=$TILES" \
         --configs "${TILE_CONFIGS:-7B,30B}" --rounds "${TILE_ROUNDS:-3}" 2>&1 | grep -v Warning \
         | tee "$OUT/tiles.log" | tail -20 ;;
+    attention)
+      timeout "${ATTENTION_S:-300}" python3 -m bench.attention ${ATTENTION_ARGS:-} 2>&1 | grep -v Warning \
+        | tee "$OUT/attention.log" | tail -12 ;;
     centring)
       timeout "${CENTRING_S:-300}" python3 -m bench.centring ${CENTRING_ARGS:-} 2>&1 | grep -v Warning \
         | tee "$OUT/centring.log" | tail -20 ;;
@@ -192,7 +199,7 @@ run_stage() {
             "${extra[@]}" 2>&1 | grep -v Warning | tee "$OUT/routing_health-$tag.log" | tail -30
         done
       done ;;
-    *) echo "unknown stage $1 (smoke | tests | levers | profile | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | centring | gather_sum | fuzz | ep | routing)" >&2
+    *) echo "unknown stage $1 (smoke | tests | levers | profile | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | attention | centring | gather_sum | fuzz | ep | routing)" >&2
        return 2 ;;
   esac
 }

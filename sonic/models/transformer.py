@@ -56,7 +56,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.attn_core = build_attention_core(cfg.attention_backend)
+        self.attn_core = build_attention_core(cfg.attention_backend, cfg.head_size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.rotary = Rotary(cfg.head_size, cfg.max_seq_len, cfg.rope_theta)
         self.layers = nn.ModuleList(Block(cfg, i, self.attn_core) for i in range(cfg.num_layers))

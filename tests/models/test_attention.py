@@ -27,7 +27,7 @@ def doc_ids(B, S, seed=0):
 def test_flex_matches_sdpa(documents, gqa):
     q, k, v = qkv(G=2 if gqa else 4, seed=int(documents) + 2 * int(gqa))
     docs = doc_ids(2, q.shape[2]) if documents else None
-    sdpa, flex = SDPACore(), FlexCore()
+    sdpa, flex = SDPACore(16), FlexCore(16)
     want = sdpa(q, k, v, sdpa.mask(docs, q.shape[2], CPU))
     got = flex(q, k, v, flex.mask(docs, q.shape[2], CPU))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -37,7 +37,7 @@ def test_document_mask_really_blocks():
     """Changing a value in document 0 leaves the outputs of document 1 unchanged (both cores)."""
     q, k, v = qkv(B=1)
     docs = torch.tensor([[0] * 20 + [1] * 28])
-    for core in (SDPACore(), FlexCore()):
+    for core in (SDPACore(16), FlexCore(16)):
         mask = core.mask(docs, 48, CPU)
         base = core(q, k, v, mask)
         v2 = v.clone()
@@ -73,10 +73,10 @@ def test_flex_training_on_cpu_is_a_clear_error():
 
 
 def test_unknown_backend_lists_the_choices():
-    with pytest.raises(ValueError, match="auto, sdpa, flex"):
+    with pytest.raises(ValueError, match="auto, sdpa, flex, fa4"):
         ModelConfig(attention_backend="flash")
-    with pytest.raises(ValueError, match="auto, sdpa, flex"):
-        build_attention_core("flash")
+    with pytest.raises(ValueError, match="auto, sdpa, flex, fa4"):
+        build_attention_core("flash", 64)
 
 
 @pytest.mark.gpu
@@ -85,8 +85,8 @@ def test_flex_matches_sdpa_on_gpu(documents):
     dev = torch.device("cuda")
     q, k, v = (t.to(dev, torch.bfloat16) for t in qkv(B=2, H=8, G=2, S=1024, Hd=64))
     docs = doc_ids(2, 1024).to(dev) if documents else None
-    ref = SDPACore()(q.float(), k.float(), v.float(), SDPACore().mask(docs, 1024, dev))
-    flex = FlexCore()
+    ref = SDPACore(64)(q.float(), k.float(), v.float(), SDPACore(64).mask(docs, 1024, dev))
+    flex = FlexCore(64)
     got = flex(q, k, v, flex.mask(docs, 1024, dev)).float()
     assert (got - ref).norm() / ref.norm() < 1e-2
 
@@ -100,4 +100,66 @@ def test_the_gpu_paths_resolve():
 
 def test_every_registered_name_builds_its_core():
     for name in ATTENTION_BACKENDS:
-        assert build_attention_core(name).name == name
+        assert build_attention_core(name, 64).name == name
+
+
+def test_fa4_where_it_cannot_run_is_a_clear_error_and_auto_falls_back():
+    """On a CPU (and, below, for a head size it does not take) fa4 refuses with what to do instead, while auto
+    takes sdpa and trains; fa4 never takes document masks."""
+    from sonic.kernels.fa4 import unavailable_reason
+
+    cfg = dict(vocab_size=64, dim=32, num_layers=1, num_heads=4, max_seq_len=32,
+               moe=MoEConfig(num_experts=4, top_k=2, expert_dim=16))
+    ids = torch.randint(0, 64, (1, 8))
+    model = Transformer(ModelConfig(attention_backend="fa4", **cfg))
+    model.init_weights(0)
+    with pytest.raises(ValueError, match="fa4 cannot run here: it needs a CUDA GPU.*attention_backend=auto"):
+        model(ids)
+    auto = Transformer(ModelConfig(attention_backend="auto", **cfg))
+    auto.init_weights(0)
+    assert auto.attn_core.mask(None, 8, CPU)[0] is auto.attn_core.sdpa
+    auto(ids).logits_BSV.sum().backward()
+    with pytest.raises(ValueError, match="plain causal attention only.*auto or flex"):
+        build_attention_core("fa4", 64).mask(doc_ids(1, 8), 8, CPU)
+    assert "head size 80 is not one of (64, 128)" in unavailable_reason(torch.device("cuda"), 80)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa", [False, True])
+def test_fa4_matches_sdpa_forward_and_backward_on_gpu(gqa):
+    """FlashAttention-4's custom ops against fp32 SDPA on fresh inputs, outputs and all three input gradients."""
+    from sonic.kernels.fa4 import unavailable_reason
+
+    dev = torch.device("cuda")
+    reason = unavailable_reason(dev, 64)
+    if reason is not None:
+        pytest.skip(f"fa4: {reason}")
+    q, k, v = (t.to(dev, torch.bfloat16).requires_grad_() for t in qkv(B=2, H=8, G=2 if gqa else 8, S=1024, Hd=64))
+    dout = torch.randn_like(q)
+    core = build_attention_core("fa4", 64)
+    got = core(q, k, v, core.mask(None, 1024, dev))
+    got.backward(dout)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = SDPACore(64)(qf, kf, vf, None)
+    ref.backward(dout.float())
+    for a, b in ((got, ref), (q.grad, qf.grad), (k.grad, kf.grad), (v.grad, vf.grad)):
+        assert torch.isfinite(a).all()
+        assert (a.float() - b).norm() / b.norm() < 1e-2
+
+
+@pytest.mark.gpu
+def test_fa4_attention_compiles_into_one_graph_on_gpu():
+    """The block's compile keeps fa4 in its graph: its forward and backward are custom ops, no graph break."""
+    from sonic.kernels.fa4 import unavailable_reason
+
+    dev = torch.device("cuda")
+    reason = unavailable_reason(dev, 64)
+    if reason is not None:
+        pytest.skip(f"fa4: {reason}")
+    core = build_attention_core("fa4", 64)
+    q, k, v = (t.to(dev, torch.bfloat16).requires_grad_() for t in qkv(B=1, H=4, G=4, S=256, Hd=64))
+    want = core(q, k, v, None)
+    got = torch.compile(lambda q, k, v: core(q, k, v, None), fullgraph=True)(q, k, v)
+    got.sum().backward()
+    torch.testing.assert_close(got, want)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
