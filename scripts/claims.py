@@ -328,6 +328,7 @@ E2E_40L, E2E_40L_MB8 = "2026-11-23-2xh200-e2e-40L.json", "2026-11-23-2xh200-e2e-
 E2E_1X = "2026-11-24-1xh200-e2e-40L.json"
 E2E_1X_CENTRING, E2E_1X_TR = "2026-11-24-1xh200-e2e-40L-centring.json", "2026-11-24-1xh200-e2e-40L-tr.json"
 E2E_1X_TR_PADDED, E2E_1X_TR_OP = "2026-11-24-1xh200-e2e-40L-tr-padded.json", "2026-11-24-1xh200-e2e-40L-tr-op.json"
+E2E_1X_FA4, E2E_1X_FA4_2 = "2026-11-29-1xh200-e2e-40L-fa4.json", "2026-11-29-1xh200-e2e-40L-fa4-2.json"
 E2E_1X_TR_OP_TRITON = "2026-11-24-1xh200-e2e-40L-tr-op-triton.json"
 E2E_1X_TR_GRAPH, E2E_1X_TR_GRAPH_TRITON = ("2026-11-24-1xh200-e2e-40L-tr-graph.json",
                                           "2026-11-24-1xh200-e2e-40L-tr-graph-triton.json")
@@ -506,7 +507,26 @@ TABLES = (
               e2e("cute at `3ddb28a` (the default backend; the same machine, next call)",
                   "2026-11-28-1xh200-e2e-40L-cute-3ddb28a.json", "cute_40L"),
               e2e("triton at `07c12f9` (dH's H slab prefetched into L2, 5 stages; another machine)",
-                  "2026-11-28-1xh200-e2e-40L-triton-07c12f9.json", "triton_40L"))),
+                  "2026-11-28-1xh200-e2e-40L-triton-07c12f9.json", "triton_40L"),
+              e2e("cute at `f0f7fa9`, attention by FlashAttention-4 (`model.attention_backend=auto` takes it where "
+                  "it can run; one job, this run first)", E2E_1X_FA4, "cute_40L"),
+              e2e("the same job, `model.attention_backend=sdpa` (cuDNN's kernel, what auto took before; second)",
+                  E2E_1X_FA4, "cute_sdpa_40L"),
+              e2e("the default again (the next job on the same machine, after the smoke; first)", E2E_1X_FA4_2,
+                  "cute_40L"),
+              e2e("`model.attention_backend=sdpa` (second)", E2E_1X_FA4_2, "cute_sdpa_40L"),
+              e2e("`model.attention_backend=fa4`, named (third)", E2E_1X_FA4_2, "cute_fa4_40L"))),
+    Table("attention", first="core", caption="Causal attention alone at `sonic_7b`'s shape (micro-batch 4 x 4096 "
+          "tokens, 24 heads of 64, bf16), each core as the model builds it (`python -m bench.attention`, one H200, "
+          "`f0f7fa9`, do_bench medians of five interleaved rounds; TFLOPS count causal attention). The error is the "
+          "relative error of dQ against fp32 SDPA on two heads.",
+          rows=tuple(Row(core, "bench/results/2026-11-29-h200-attention.json", {"core": core})
+                     for core in ("sdpa", "flex", "fa4")),
+          columns=(Field("fwd ms", "fwd_ms", digits=3), Field("f+b ms", "fb_ms", digits=3),
+                   Field("bwd ms", "bwd_ms", digits=3), Field("fwd TFLOPS", "fwd_tflops", digits=0),
+                   Field("f+b TFLOPS", "fb_tflops", digits=0), Field("f+b, × sdpa's time", "fb_over_sdpa", digits=3),
+                   Field("dQ error ×1e3", "rel_err.dq", 1e3, digits=1),
+                   Field("first call s", "first_call_s", digits=1))),
     Table("peer_titan", first="model", columns=(
         Field("step ms, median", "step_ms"), Field("step ms, best", "step_ms_best"),
         Field("k tokens/s", "tokens_per_s", 1e-3), Ratio("× torchtitan, tokens/s", "tokens_per_s", "tokens_per_s",

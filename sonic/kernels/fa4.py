@@ -1,9 +1,9 @@
 """Causal attention by FlashAttention-4's CuTe DSL kernels (`flash-attn-4`, Dao-AILab), as two custom ops.
 
 `model.attention_backend=fa4` (sonic/models/attention.py) calls `causal_attention`; `auto` takes it on Hopper
-and Blackwell when the package is installed (`pip install 'sonic[fa4]'`). At sonic_7b's attention (4 x 4096
-tokens, 24 heads of 64, bf16, one H200) its forward and backward together took 0.85x cuDNN's time through SDPA
-(`python -m bench.attention`, bench/results/2026-11-29-h200-attention.json).
+and Blackwell when the package is installed (`pip install 'sonic[fa4]'`), because at sonic_7b's attention it beat
+cuDNN's kernel through SDPA, alone (`python -m bench.attention`) and in the 40-layer training step: the figures are
+in docs/performance.md, from bench/results/2026-11-29-h200-attention.json and ...-1xh200-e2e-40L-fa4*.json.
 
 The library's own autograd Function is opaque to torch.compile, so the forward and the backward are each one
 `torch.library.custom_op` here, with fake implementations and `register_autograd`: a compiled block keeps
