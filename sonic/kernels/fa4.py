@@ -1,7 +1,7 @@
 """Causal attention by FlashAttention-4's CuTe DSL kernels (`flash-attn-4`, Dao-AILab), as two custom ops.
 
 `model.attention_backend=fa4` (sonic/models/attention.py) calls `causal_attention`; `auto` takes it on Hopper
-and Blackwell when the package is installed (`pip install 'sonic[fa4]'`), because at sonic_7b's attention it beat
+and Blackwell when the package is installed (Sonic's `fa4` extra), because at sonic_7b's attention it beat
 cuDNN's kernel through SDPA, alone (`python -m bench.attention`) and in the 40-layer training step: the figures are
 in docs/performance.md, from bench/results/2026-11-29-h200-attention.json and ...-1xh200-e2e-40L-fa4*.json.
 
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 HEAD_DIMS = (64, 128)  # the head sizes measured and tested here (the kernels' own set is wider)
-INSTALL = "pip install 'sonic[fa4]' (flash-attn-4)"
+INSTALL = "pip install 'flash-attn-4==4.0.0b36' (Sonic's 'fa4' extra)"
 
 
 @functools.cache

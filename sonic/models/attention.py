@@ -12,7 +12,7 @@ once per forward with `core.mask(doc_ids_BS, S, device)` and each layer calls `c
 | auto | fa4 where it can run, else sdpa       | flex on CUDA, sdpa elsewhere                      |
 
 fa4 runs where `sonic.kernels.fa4.unavailable_reason` is None: Hopper or datacenter Blackwell, head size 64 or 128,
-the flash-attn-4 package installed (`pip install 'sonic[fa4]'`). At sonic_7b's attention it is faster than cuDNN's
+the flash-attn-4 package installed (Sonic's `fa4` extra). At sonic_7b's attention it is faster than cuDNN's
 kernel through SDPA, alone and in the training step (docs/performance.md has the measurements).
 
 The cores are one Registry (sonic/registry.py), ATTENTION_BACKENDS: a name maps to a core class
