@@ -14,7 +14,9 @@ imports anywhere; `unavailable_reason` says why it cannot run on a device.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
+import warnings
 
 import torch
 from torch import Tensor
@@ -24,12 +26,25 @@ INSTALL = "pip install 'flash-attn-4==4.0.0b36' (Sonic's 'fa4' extra)"
 
 
 @functools.cache
-def _installed() -> bool:
+def package_problem() -> str | None:
+    """Why the flash-attn-4 package cannot be used here (None when it imports): absent, or installed but broken.
+
+    Imported, not only looked up: an install whose CuTe DSL or quack-kernels it cannot use must send `auto` to
+    sdpa with the reason, not fail the first training step. Cached: a process imports a package once."""
     try:
-        return importlib.util.find_spec("flash_attn") is not None and \
+        found = importlib.util.find_spec("flash_attn") is not None and \
             importlib.util.find_spec("flash_attn.cute") is not None
     except (ImportError, ValueError):
-        return False
+        found = False
+    if not found:
+        return f"the flash-attn-4 package is not installed: {INSTALL}"
+    try:
+        importlib.import_module("flash_attn.cute.interface")
+    except Exception as err:  # any failure of a third-party import is a broken install, whatever it raises
+        reason = f"flash-attn-4 is installed but does not import ({type(err).__name__}: {err}); reinstall it: {INSTALL}"
+        warnings.warn(reason)  # said once (cached): auto then runs sdpa, which a user of fa4 would not guess
+        return reason
+    return None
 
 
 def unavailable_reason(device: torch.device, head_dim: int) -> str | None:
@@ -41,9 +56,7 @@ def unavailable_reason(device: torch.device, head_dim: int) -> str | None:
     major, minor = torch.cuda.get_device_capability(device)
     if major not in (9, 10):
         return f"its kernels need Hopper or datacenter Blackwell (sm90, sm100); this GPU is sm{major}{minor}"
-    if not _installed():
-        return f"the flash-attn-4 package is not installed: {INSTALL}"
-    return None
+    return package_problem()
 
 
 @torch.library.custom_op("sonic::fa4_causal_attention", mutates_args=())

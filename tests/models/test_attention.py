@@ -124,16 +124,68 @@ def test_fa4_where_it_cannot_run_is_a_clear_error_and_auto_falls_back():
     assert "head size 80 is not one of (64, 128)" in unavailable_reason(torch.device("cuda"), 80)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("gqa", [False, True])
-def test_fa4_matches_sdpa_forward_and_backward_on_gpu(gqa):
-    """FlashAttention-4's custom ops against fp32 SDPA on fresh inputs, outputs and all three input gradients."""
+@pytest.fixture
+def broken_fa4(tmp_path, monkeypatch):
+    """A flash_attn package that is found but whose kernels fail to import, as a CuTe DSL it cannot use does;
+    the import cache and the imported modules are put back afterwards."""
+    import importlib
+    import sys
+
+    from sonic.kernels import fa4
+
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    (tmp_path / "flash_attn" / "cute" / "interface.py").write_text("raise ImportError('cutlass-dsl 9.9 expected')\n")
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] == "flash_attn"}
+    for k in saved:
+        del sys.modules[k]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    fa4.package_problem.cache_clear()
+    # a Hopper device as far as the checks before the package's can tell, on any machine
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    yield
+    for k in [k for k in sys.modules if k.split(".")[0] == "flash_attn"]:
+        del sys.modules[k]
+    sys.modules.update(saved)
+    fa4.package_problem.cache_clear()
+
+
+def test_a_broken_fa4_install_sends_auto_to_sdpa_and_fa4_says_why(broken_fa4):
+    """Installed but not importable: auto takes sdpa with one warning naming the error, the fa4 backend refuses with
+    it and the fix, and nothing is imported again on the next call."""
+    from sonic.kernels.fa4 import package_problem
+
+    cuda = torch.device("cuda")
+    with pytest.warns(UserWarning, match=r"installed but does not import \(ImportError: cutlass-dsl 9.9 expected\)"):
+        assert build_attention_core("auto", 64)._pick(False, cuda).name == "sdpa"
+    assert package_problem.cache_info().misses == 1
+    with pytest.raises(ValueError, match="fa4 cannot run here: flash-attn-4 is installed but does not import.*"
+                                         "pip install 'flash-attn-4==4.0.0b36'.*attention_backend=auto"):
+        build_attention_core("fa4", 64).mask(None, 8, cuda)
+    assert package_problem.cache_info().misses == 1
+
+
+def fa4_gpu_or_skip() -> torch.device:
+    """The GPU for fa4's GPU tests: skipped where fa4 cannot run, except an install that is found but does not
+    import, which fails (auto would quietly run sdpa there)."""
     from sonic.kernels.fa4 import unavailable_reason
 
     dev = torch.device("cuda")
     reason = unavailable_reason(dev, 64)
+    if reason is not None and "does not import" in reason:
+        pytest.fail(reason)
     if reason is not None:
         pytest.skip(f"fa4: {reason}")
+    return dev
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gqa", [False, True])
+def test_fa4_matches_sdpa_forward_and_backward_on_gpu(gqa):
+    """FlashAttention-4's custom ops against fp32 SDPA on fresh inputs, outputs and all three input gradients."""
+    dev = fa4_gpu_or_skip()
     q, k, v = (t.to(dev, torch.bfloat16).requires_grad_() for t in qkv(B=2, H=8, G=2 if gqa else 8, S=1024, Hd=64))
     dout = torch.randn_like(q)
     core = build_attention_core("fa4", 64)
@@ -150,12 +202,7 @@ def test_fa4_matches_sdpa_forward_and_backward_on_gpu(gqa):
 @pytest.mark.gpu
 def test_fa4_attention_compiles_into_one_graph_on_gpu():
     """The block's compile keeps fa4 in its graph: its forward and backward are custom ops, no graph break."""
-    from sonic.kernels.fa4 import unavailable_reason
-
-    dev = torch.device("cuda")
-    reason = unavailable_reason(dev, 64)
-    if reason is not None:
-        pytest.skip(f"fa4: {reason}")
+    dev = fa4_gpu_or_skip()
     core = build_attention_core("fa4", 64)
     q, k, v = (t.to(dev, torch.bfloat16).requires_grad_() for t in qkv(B=1, H=4, G=4, S=256, Hd=64))
     want = core(q, k, v, None)
