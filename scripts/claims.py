@@ -517,10 +517,11 @@ TABLES = (
               e2e("`model.attention_backend=sdpa` (second)", E2E_1X_FA4_2, "cute_sdpa_40L"),
               e2e("`model.attention_backend=fa4`, named (third)", E2E_1X_FA4_2, "cute_fa4_40L"))),
     Table("attention", first="core", caption="Causal attention alone at `sonic_7b`'s shape (micro-batch 4 x 4096 "
-          "tokens, 24 heads of 64, bf16), each core as the model builds it (`python -m bench.attention`, one H200, "
-          "`f0f7fa9`, do_bench medians of five interleaved rounds; TFLOPS count causal attention). The error is the "
-          "relative error of dQ against fp32 SDPA on two heads.",
-          rows=tuple(Row(core, "bench/results/2026-11-29-h200-attention.json", {"core": core})
+          "tokens, 24 heads of 64, bf16), each core as the model builds it (`python -m bench.attention`, one H200 at "
+          "`f0f7fa9`, then one H100 at `cf802c2`; do_bench medians of five interleaved rounds; TFLOPS count causal "
+          "attention). The error is the relative error of dQ against fp32 SDPA on two heads.",
+          rows=tuple(Row(f"{core}, {gpu}", f"bench/results/{file}-attention.json", {"core": core})
+                     for gpu, file in (("H200", "2026-11-29-h200"), ("H100", "2026-12-05-h100"))
                      for core in ("sdpa", "flex", "fa4")),
           columns=(Field("fwd ms", "fwd_ms", digits=3), Field("f+b ms", "fb_ms", digits=3),
                    Field("bwd ms", "bwd_ms", digits=3), Field("fwd TFLOPS", "fwd_tflops", digits=0),
