@@ -50,7 +50,8 @@
 #              model.moe.routing, e.g. topk-prefix+bias_update_rate=0.05), each layer's load curve and the router
 #              diagnostics (python -m bench.routing_health; bench/results/<date>-<gpu>-routing_health-<tag>.json,
 #              tag <L>L-<group>-<centring>[-<key><value>...][-w<warmup>][-<backend>], the last two where not the
-#              defaults; diagnostics every $ROUTING_DIAG_EVERY steps, default 20)
+#              defaults; diagnostics every $ROUTING_DIAG_EVERY steps, default 20; $ROUTING_ARGS adds options, e.g.
+#              --grad-norms for every step's pre-clip gradient norm by parameter kind and layer)
 #
 # What the GPU image lacks travels in ignored folders named in the call's `carry`:
 #   .whl   wheels: hydra-core, omegaconf, antlr4-python3-runtime (needed), liger-kernel and
@@ -193,7 +194,7 @@ run_stage() {
           [ "$warmup" = 20 ] || tag+="-w$warmup"
           [ "$backend" = triton ] || tag+="-$backend"
           timeout "${ROUTING_S:-540}" python3 -m bench.routing_health --tag "$tag" \
-            --diag-every "${ROUTING_DIAG_EVERY:-20}" experiment=sonic_7b \
+            --diag-every "${ROUTING_DIAG_EVERY:-20}" ${ROUTING_ARGS:-} experiment=sonic_7b \
             data=local_bpe optim.warmup_steps="$warmup" train.steps=100 model.num_layers="$layers" \
             model.moe.kernel_backend="$backend" routing="${base%-*}" model.moe.routing.input_centring="${base#*-}" \
             "${extra[@]}" 2>&1 | grep -v Warning | tee "$OUT/routing_health-$tag.log" | tail -30

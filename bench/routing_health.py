@@ -56,6 +56,10 @@ summed (`pooled_max_over_mean`) and each sequence's own max/mean, averaged over 
 (`seq_max_over_mean`). It separates the router's imbalance from one batch's topical mix: a router that favours
 some experts stays imbalanced pooled over many batches; a mix that differs from batch to batch evens out there.
 
+`--grad-norms`: every step's pre-clip gradient norm (the trainer logs it only at log steps), split by parameter
+kind (`layers.*.attn.q_proj.weight`, ...) and by layer (`grad_norms` in the JSON), and the largest steps printed
+with the kinds and layers that hold most of them: where a loss spike at the peak learning rate starts.
+
 `--freeze attn.o_proj.weight` (diagnosis only) keeps those parameters at their initial values (zero:
 attention then adds nothing to the residual stream).
 
@@ -279,6 +283,73 @@ class DiagnosticsHook:
         self.records.append({"step": step + 1, "seconds": seconds, "layers": layers})
 
 
+def param_kind(name: str) -> tuple[str, int | None]:
+    """A parameter's kind, its name with the layer index starred (`layers.*.attn.q_proj.weight`), and its layer
+    (None outside the layers); the prefixes torch.compile and FSDP wrappers add are dropped."""
+    parts = [p for p in name.split(".") if p not in ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")]
+    if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit():
+        return ".".join(["layers", "*", *parts[2:]]), int(parts[1])
+    return ".".join(parts), None
+
+
+class GradNorms:
+    """Every step's pre-clip gradient norm per parameter (`--grad-norms`), summed by kind and by layer at the end.
+
+    The trainer logs the total alone, at log steps: a spike between them, and where it sits, stays unseen. This
+    wraps the trainer's clip, so the norms are of the gradients it clips, before clipping; they stay on the device
+    until the run ends (no host sync per step)."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.index: dict[int, int] = {}  # id(parameter) -> its place in self.names
+        self.rows: list[torch.Tensor] = []  # per step: each parameter's squared norm, in self.names' order
+
+    def watch(self, model) -> None:
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.names = [name for name, _ in named]
+        self.index = {id(p): i for i, (_, p) in enumerate(named)}
+
+    def wrap(self, clip):
+        def clip_and_record(params, *args, **kwargs):
+            params = [p for p in params if p.grad is not None]
+            sq = torch.zeros(len(self.names), device=params[0].grad.device)
+            idx = torch.tensor([self.index[id(p)] for p in params], device=sq.device)
+            norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params]  # one process: unsharded
+            self.rows.append(sq.index_add_(0, idx, torch.stack(norms).square()))
+            return clip(params, *args, **kwargs)
+        return clip_and_record
+
+    def result(self) -> dict:
+        """Per step (1 to N): the total, each kind's norm and each layer's, over that kind's or layer's parameters."""
+        if not self.rows:
+            return {}
+        sq_NP = torch.stack(self.rows).cpu().double()
+        kinds, layers = zip(*(param_kind(n) for n in self.names))
+
+        def norms(keys) -> dict:
+            return {k: sq_NP[:, [i for i, x in enumerate(keys) if x == k]].sum(1).sqrt().tolist()
+                    for k in dict.fromkeys(keys) if k is not None}
+
+        by_layer = norms(layers)
+        return {"total": sq_NP.sum(1).sqrt().tolist(), "by_kind": norms(kinds),
+                "by_layer": [by_layer[i] for i in sorted(by_layer)]}
+
+
+def print_grad_norms(grads: dict, top: int = 5) -> None:
+    """The `top` steps of the largest total norm, each with the kinds and layers that hold most of its square."""
+    if not grads:
+        return
+    total = grads["total"]
+    print(f"pre-clip gradient norm, median over steps {statistics.median(total):.3g}; the {top} largest, "
+          "with the kinds and layers that hold most of each one's square:")
+    for n in sorted(range(len(total)), key=total.__getitem__, reverse=True)[:top]:
+        share = lambda v: v[n] ** 2 / max(total[n] ** 2, 1e-30)  # noqa: E731
+        kinds = sorted(grads["by_kind"].items(), key=lambda kv: -kv[1][n])[:3]
+        layers = sorted(enumerate(grads["by_layer"]), key=lambda iv: -iv[1][n])[:3]
+        print(f"  step {n + 1:4d}  {total[n]:10.4g}  " + ", ".join(f"{k} {share(v):.0%}" for k, v in kinds)
+              + "  |  " + ", ".join(f"layer {i} {share(v):.0%}" for i, v in layers))
+
+
 def routed_per_sequence(routed, seq_len: int) -> torch.Tensor:
     """(B, E) int64: the routed rows of each sequence per expert, read off the layer's plan (so under any routing
     method the rows the trainer's `counts_E` counts; padding rows, expert E, left out). Sums over B to counts_E."""
@@ -415,11 +486,12 @@ def print_final_batches(final: dict | None) -> None:
           f"worst: pooled {final['pooled_worst']:.2f}, per batch {[round(v, 2) for v in final['per_batch_worst']]}")
 
 
-def run(cfg: Config, diag_every: int, freeze: tuple[str, ...] = (),
-        final: int = 0) -> tuple[list[dict], list[dict], dict | None]:
+def run(cfg: Config, diag_every: int, freeze: tuple[str, ...] = (), final: int = 0,
+        grads: GradNorms | None = None) -> tuple[list[dict], list[dict], dict | None]:
     """train(cfg) with the diagnostics hook on the model it builds, and the parameters whose names end
     with one of `freeze` kept at their initial values; then, when `final` > 0, `final_batches` of that model
-    on the next `final` batches of the trainer's own training loader; (trainer history, diagnostics, final)."""
+    on the next `final` batches of the trainer's own training loader; (trainer history, diagnostics, final).
+    `grads`, where given, records every step's gradient norms (GradNorms)."""
     hook = DiagnosticsHook(diag_steps(cfg.train.steps, diag_every), cfg.train.grad_accum)
     build, loaders = trainer.build_model, trainer.build_loaders
     built: dict = {}
@@ -431,6 +503,8 @@ def run(cfg: Config, diag_every: int, freeze: tuple[str, ...] = (),
             raise ValueError(f"--freeze {' '.join(freeze)}: no parameter name ends with it (e.g. attn.o_proj.weight)")
         if hook.steps:
             built["hook"] = model.register_forward_pre_hook(hook)
+        if grads is not None:
+            grads.watch(model)
         built["model"] = model
         return model
 
@@ -438,8 +512,10 @@ def run(cfg: Config, diag_every: int, freeze: tuple[str, ...] = (),
         built["train_loader"], val_loader = loaders(*args, **kwargs)
         return built["train_loader"], val_loader
 
+    clip = trainer.clip_grad_norm if grads is None else grads.wrap(trainer.clip_grad_norm)
     with (mock.patch.object(trainer, "build_model", build_and_hook),
-          mock.patch.object(trainer, "build_loaders", build_and_keep_loaders)):
+          mock.patch.object(trainer, "build_loaders", build_and_keep_loaders),
+          mock.patch.object(trainer, "clip_grad_norm", clip)):
         history = trainer.train(cfg)
     if not final:
         return history, hook.records, None
@@ -464,6 +540,9 @@ def main(argv=None) -> Path:
                     help="after training, route N more batches of the training stream through the trained model "
                          "(forward only) and record each batch's, the pooled and the per-sequence max/mean load; "
                          "0: off")
+    ap.add_argument("--grad-norms", action="store_true",
+                    help="record every step's pre-clip gradient norm by parameter kind and by layer (`grad_norms` in "
+                         "the JSON) and print the largest steps' sources; off by default (it adds a norm per step)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = ap.parse_args(argv)
     if args.diag_every < 0:
@@ -478,7 +557,8 @@ def main(argv=None) -> Path:
     with contextlib.ExitStack() as stack:
         run_dir = args.run_dir or stack.enter_context(tempfile.TemporaryDirectory())
         cfg = compose_config([*DEFAULTS, f"train.run_dir={run_dir}", *args.overrides])
-        history, diags, final = run(cfg, args.diag_every, tuple(args.freeze), args.final_batches)
+        grads = GradNorms() if args.grad_norms else None
+        history, diags, final = run(cfg, args.diag_every, tuple(args.freeze), args.final_batches, grads)
     moe = cfg.model.moe
     num_moe = cfg.model.num_layers - cfg.model.first_k_dense
     e_over_k = moe.num_experts / moe.top_k
@@ -486,6 +566,8 @@ def main(argv=None) -> Path:
     print_table(history, num_moe, e_over_k)
     print_diagnostics(diags)
     print_final_batches(final)
+    grad_norms = grads.result() if grads else None
+    print_grad_norms(grad_norms)
     steps = [{"step": h["step"], "lr": h["lr"], "loss": h["loss"], "aux_loss": h["aux_loss"], "z_loss": h["z_loss"],
               "grad_norm": h["grad_norm"], "tokens_per_s_per_gpu": h["tokens_per_s_per_gpu"],
               "max_over_mean": [h[f"expert_load_max/{i}"] for i in range(num_moe)],
@@ -494,7 +576,8 @@ def main(argv=None) -> Path:
     path = write_json(result_path(what, args.json), {
         "overrides": args.overrides, "frozen": args.freeze, "model": cfg.model.name, "num_layers": cfg.model.num_layers,
         "routing": vars(moe.routing), "micro_batch": [cfg.train.micro_batch_size, cfg.train.seq_len],
-        "summary": summary, "steps": steps, "diagnostics": diags, "final_batches": final})
+        "summary": summary, "steps": steps, "diagnostics": diags, "final_batches": final,
+        "grad_norms": grad_norms})
     for k, v in summary.items():
         print(f"{k:>40}: {v}")
     print(f"wrote {path}")

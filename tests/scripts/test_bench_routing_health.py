@@ -208,3 +208,28 @@ def test_routed_per_sequence_counts_each_sequences_picks():
     assert torch.equal(got.sum(0), routed.counts_E.long()) and got.shape == (3, 8)
     counts = torch.tensor([[1, 2, 3, 6], [0, 0, 0, 0]])
     assert routing_health._max_over_mean(counts).tolist() == [2.0, 0.0]
+
+
+def test_grad_norms_record_every_step_by_kind_and_layer(tmp_path):
+    """--grad-norms: every step's pre-clip norm (the trainer's own at its log steps), split by parameter kind and by
+    layer, the kinds' squares summing to the total's; recording changes nothing in training."""
+    result = run(tmp_path, "grads", "--diag-every", "0", "--grad-norms")
+    grads = result["grad_norms"]
+    assert len(grads["total"]) == STEPS and len(grads["by_layer"]) == LAYERS
+    for s in result["steps"]:
+        assert grads["total"][s["step"] - 1] == pytest.approx(s["grad_norm"], rel=1e-4)
+    for n in range(STEPS):
+        assert sum(v[n] ** 2 for v in grads["by_kind"].values()) == pytest.approx(grads["total"][n] ** 2, rel=1e-6)
+        assert sum(v[n] ** 2 for v in grads["by_layer"]) < grads["total"][n] ** 2  # the embedding is in no layer
+    assert all(v > 0 for v in grads["by_kind"]["layers.*.ffn.router.weight_ED"])
+    assert "layers.*.attn.q_proj.weight" in grads["by_kind"]
+    plain = run(tmp_path, "plain", "--diag-every", "0")
+    assert plain["grad_norms"] is None
+    assert [s["loss"] for s in plain["steps"]] == [s["loss"] for s in result["steps"]]
+    assert [s["grad_norm"] for s in plain["steps"]] == [s["grad_norm"] for s in result["steps"]]
+
+
+def test_param_kind_stars_the_layer_and_drops_wrapper_prefixes():
+    assert routing_health.param_kind("layers.3._orig_mod.attn.q_proj.weight") == ("layers.*.attn.q_proj.weight", 3)
+    assert routing_health.param_kind("layers.12.ffn.w1_EFD") == ("layers.*.ffn.w1_EFD", 12)
+    assert routing_health.param_kind("embed_tokens.weight") == ("embed_tokens.weight", None)
