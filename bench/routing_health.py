@@ -285,8 +285,9 @@ class DiagnosticsHook:
 
 def param_kind(name: str) -> tuple[str, int | None]:
     """A parameter's kind, its name with the layer index starred (`layers.*.attn.q_proj.weight`), and its layer
-    (None outside the layers); the prefixes torch.compile and FSDP wrappers add are dropped."""
-    parts = [p for p in name.split(".") if p not in ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")]
+    (None outside the layers); the prefixes activation checkpointing and torch.compile add are dropped, as the
+    checkpoint's names drop them."""
+    parts = [p for p in name.split(".") if p not in ("_orig_mod", "_checkpoint_wrapped_module")]
     if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit():
         return ".".join(["layers", "*", *parts[2:]]), int(parts[1])
     return ".".join(parts), None
@@ -343,11 +344,11 @@ def print_grad_norms(grads: dict, top: int = 5) -> None:
     print(f"pre-clip gradient norm, median over steps {statistics.median(total):.3g}; the {top} largest, "
           "with the kinds and layers that hold most of each one's square:")
     for n in sorted(range(len(total)), key=total.__getitem__, reverse=True)[:top]:
-        share = lambda v: v[n] ** 2 / max(total[n] ** 2, 1e-30)  # noqa: E731
+        sq = max(total[n] ** 2, 1e-30)
         kinds = sorted(grads["by_kind"].items(), key=lambda kv: -kv[1][n])[:3]
         layers = sorted(enumerate(grads["by_layer"]), key=lambda iv: -iv[1][n])[:3]
-        print(f"  step {n + 1:4d}  {total[n]:10.4g}  " + ", ".join(f"{k} {share(v):.0%}" for k, v in kinds)
-              + "  |  " + ", ".join(f"layer {i} {share(v):.0%}" for i, v in layers))
+        print(f"  step {n + 1:4d}  {total[n]:10.4g}  " + ", ".join(f"{k} {v[n] ** 2 / sq:.0%}" for k, v in kinds)
+              + "  |  " + ", ".join(f"layer {i} {v[n] ** 2 / sq:.0%}" for i, v in layers))
 
 
 def routed_per_sequence(routed, seq_len: int) -> torch.Tensor:
