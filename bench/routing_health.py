@@ -239,7 +239,7 @@ def diagnose(model, input_ids_BS: torch.Tensor, doc_ids_BS: torch.Tensor | None,
     try:  # Transformer.forward's loop, calling each block's eager forward (blocks may be compiled)
         S = input_ids_BS.shape[1]
         mask = model.attn_core.mask(doc_ids_BS, S, input_ids_BS.device)
-        x = model.embed_tokens(input_ids_BS)
+        x = model.embed(input_ids_BS)
         for block in blocks:
             x, _ = block.forward(x, model.rotary, mask)
             if block.is_moe:

@@ -10,6 +10,7 @@ from sonic.routing.config import RoutingConfig
 
 QK_NORMS = ("none", "full", "head")  # full: OLMoE, over all heads at once; head: Qwen3, per head
 ATTN_OUT_INITS = ("zero", "scaled")  # attention o_proj at init: zero, or GPT-2's init_std / sqrt(2L)
+FFN_OUT_INITS = ("scaled", "unscaled")  # FFN down projections at init: GPT-2's init_std / sqrt(2L), or init_std
 
 
 @dataclass
@@ -50,6 +51,8 @@ class ModelConfig:
     dense_dim: int = 0  # FFN width of those dense layers
     init_std: float = 0.02
     attn_out_init: str = "zero"  # zero keeps deep routers healthy at init (Transformer.init_weights) | scaled
+    ffn_out_init: str = "scaled"  # scaled | unscaled: the FFN down projections' init std (Transformer.init_weights)
+    embed_scale: float = 1.0  # the embedding's output times this before the first block (the tied head reads it x1)
     attention_backend: str = "auto"  # auto | sdpa | flex (sonic/models/attention.py)
     loss_backend: str = "chunked"  # torch | chunked | liger | cce: LM head + cross-entropy (sonic/models/loss.py)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -74,10 +77,12 @@ class ModelConfig:
             raise ValueError(f"model.first_k_dense={self.first_k_dense} needs model.dense_dim >= 1")
         if self.attn_out_init not in ATTN_OUT_INITS:
             raise ValueError(f"model.attn_out_init={self.attn_out_init!r} is not one of {', '.join(ATTN_OUT_INITS)}")
+        if self.ffn_out_init not in FFN_OUT_INITS:
+            raise ValueError(f"model.ffn_out_init={self.ffn_out_init!r} is not one of {', '.join(FFN_OUT_INITS)}")
         ATTENTION_BACKENDS.check(self.attention_backend)
         LOSS_BACKENDS.check(self.loss_backend)
-        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
-            raise ValueError("model.rope_theta, model.norm_eps and model.init_std must be > 0")
+        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0 or self.embed_scale <= 0:
+            raise ValueError("model.rope_theta, model.norm_eps, model.init_std and model.embed_scale must be > 0")
 
     @property
     def kv_heads(self) -> int:

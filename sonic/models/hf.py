@@ -58,6 +58,9 @@ def hf_model_type(cfg: ModelConfig) -> str:
     if m.shared_expert_dim:
         raise ValueError(f"model.moe.shared_expert_dim={m.shared_expert_dim}: OLMoE and Qwen3-MoE have no "
                          f"(ungated) shared expert")
+    if cfg.embed_scale != 1.0:
+        raise ValueError(f"model.embed_scale={cfg.embed_scale}: OLMoE and Qwen3-MoE feed the embedding to the first "
+                         f"layer unscaled, so the exported model would compute differently")
     if r.method == "expert_choice":
         raise ValueError("model.moe.routing.method=expert_choice: HF routers are token-choice top-K")
     if r.input_centring != "none":

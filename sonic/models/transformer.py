@@ -68,7 +68,7 @@ class Transformer(nn.Module):
         """Logits, or with labels (-100 = no target) the mean LM loss and no logits."""
         B, S = input_ids_BS.shape
         mask = self.attn_core.mask(doc_ids_BS, S, input_ids_BS.device)
-        x = self.embed_tokens(input_ids_BS)
+        x = self.embed(input_ids_BS)
         routed: list[RouterOutput] = []
         for layer in self.layers:
             x, r = layer(x, self.rotary, mask)
@@ -84,6 +84,11 @@ class Transformer(nn.Module):
         loss = get_loss_fn(self.cfg.loss_backend, x.device)(x.reshape(B * S, -1).to(dt), head_VD.to(dt),
                                                             labels_BS.reshape(B * S))
         return ModelOutput(None, loss, router_loss, routed)
+
+    def embed(self, input_ids_BS: Tensor) -> Tensor:
+        """The first block's input: the embedding times model.embed_scale (the tied head reads the table as is)."""
+        x = self.embed_tokens(input_ids_BS)
+        return x if self.cfg.embed_scale == 1.0 else x * self.cfg.embed_scale
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -105,12 +110,13 @@ class Transformer(nn.Module):
         """
         std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.num_layers)
         attn_out_std = 0.0 if self.cfg.attn_out_init == "zero" else out_std
+        ffn_out_std = out_std if self.cfg.ffn_out_init == "scaled" else std
         gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
         for name, p in self.named_parameters():
             if p.dim() == 1 or name.endswith(("b1_EF", "b2_ED")):
                 p.fill_(1.0 if "norm" in name else 0.0)
                 continue
-            s = out_std if name.endswith(("down_proj.weight", "w2_EDN")) else std
+            s = ffn_out_std if name.endswith(("down_proj.weight", "w2_EDN")) else std
             s = attn_out_std if name.endswith("o_proj.weight") else s
             # drawn even where s is 0, so every other parameter gets the same values either way
             p.copy_(_local_part(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(s), p))
