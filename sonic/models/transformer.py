@@ -92,8 +92,13 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Normal(0, init_std), residual outputs scaled by 1/sqrt(2L) (GPT-2), norms 1, biases 0;
-        the attention output projection starts at zero unless model.attn_out_init=scaled.
+        """Normal(0, init_std), the FFN down projections scaled by 1/sqrt(2L) (GPT-2) unless
+        model.ffn_out_init=unscaled (OLMo 2: init_std), norms 1, biases 0; the attention output
+        projection starts at zero unless model.attn_out_init=scaled.
+
+        Why unscaled can matter: scaled, sonic_7b's residual stream is RMS 0.03 after block 0 and 0.16
+        after block 40, so at peak LR one AdamW step on an early output projection moves it by more
+        than its size (docs/routing.md, "Gradient spikes").
 
         Why zero: at initialisation attention averages its values over the causal prefix, so
         every layer adds nearly the same vector to every position. Over 40 layers that common
