@@ -148,6 +148,7 @@ def test_load_model_reads_a_hugging_face_directory(tmp_path):
     (dict(qk_norm="full", moe=dict(routing=RoutingConfig(balance="sinkhorn"))), "balance"),
     (dict(qk_norm="full", moe=dict(routing=RoutingConfig(logit_norm="prefix"))), "logit_norm"),
     (dict(qk_norm="full", first_k_dense=1, dense_dim=8), "first_k_dense"),
+    (dict(qk_norm="full", embed_scale=8.0), "embed_scale"),
     (dict(qk_norm="full", head_dim=16), "head_dim"),
 ])
 def test_export_refuses_what_hf_cannot_represent(kw, field, tmp_path):

@@ -43,3 +43,31 @@ def test_zero_attention_output_changes_nothing_else():
 def test_bad_attn_out_init_is_a_clear_error():
     with pytest.raises(ValueError, match="attn_out_init"):
         ModelConfig(attn_out_init="xavier")
+
+
+def test_unscaled_ffn_out_init_draws_the_down_projections_at_init_std_and_changes_nothing_else():
+    scaled, unscaled = deep_narrow("zero", layers=2), deep_narrow("zero", layers=2)
+    unscaled.cfg.ffn_out_init = "unscaled"
+    unscaled.init_weights(seed=0)
+    for (name, p), q in zip(scaled.named_parameters(), unscaled.parameters()):
+        if name.endswith(("down_proj.weight", "w2_EDN")):  # the same draw, times sqrt(2L) = 2
+            torch.testing.assert_close(q, p * 2, rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(p, q), name
+    with pytest.raises(ValueError, match="ffn_out_init"):
+        ModelConfig(ffn_out_init="olmo")
+
+
+def test_embed_scale_multiplies_the_first_blocks_input_and_not_the_tied_head():
+    model = deep_narrow("zero", layers=1)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    seen = []
+    model.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    with torch.no_grad():
+        model(ids)
+        model.cfg.embed_scale = 4.0
+        model(ids)
+    torch.testing.assert_close(seen[1], seen[0] * 4, rtol=0, atol=0)
+    torch.testing.assert_close(seen[0], model.embed_tokens(ids), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="embed_scale"):
+        ModelConfig(embed_scale=0.0)
