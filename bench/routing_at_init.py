@@ -1,7 +1,12 @@
 """Routing of a full-depth model at initialisation: every layer's max/mean expert load and how parallel
-the router inputs are, for each attention-output init (model.attn_out_init) and token source.
+the router inputs are, for each attention-output init (model.attn_out_init) and token source; with
+--ffn-out-inits and --embed-scales also for those (model.ffn_out_init, model.embed_scale).
 
     python -m bench.routing_at_init [--model sonic_7b] [--tokens bpe,bytes,random] [--seq 1024]
+        [--ffn-out-inits scaled,unscaled] [--embed-scales 1,8]
+
+Each row also has `residual_rms`, the RMS of the residual stream after every block: how large the stream is
+that one optimizer step on a block's output projection has to move (docs/routing.md, "Gradient spikes").
 
 "Collapsed" is a layer whose max/mean load is >= 0.9 E/K (nearly every token picks the same K
 experts). "cos" is the mean cosine between each router input row and the mean row: near 1, every
@@ -13,6 +18,7 @@ data's (data=local_bpe, built and cached on first use), `bytes` the embedded cor
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -44,7 +50,7 @@ def token_ids(source: str, vocab: int, B: int, S: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def measure(model: Transformer, ids: torch.Tensor) -> list[dict]:
+def measure(model: Transformer, ids: torch.Tensor) -> tuple[list[dict], float, list[float]]:
     cos = {}
 
     def hook(layer):
@@ -56,6 +62,10 @@ def measure(model: Transformer, ids: torch.Tensor) -> list[dict]:
         return fn
 
     handles = [blk.ffn.router.register_forward_pre_hook(hook(i)) for i, blk in enumerate(model.layers) if blk.is_moe]
+    rms = {}
+    handles += [blk.register_forward_hook(
+        lambda m, a, out, i=i: rms.__setitem__(i, out[0].float().square().mean().sqrt().item()))
+        for i, blk in enumerate(model.layers)]
     try:
         with torch.autocast(ids.device.type, dtype=torch.bfloat16):
             out = model(ids[:, :-1], labels_BS=ids[:, 1:])  # the initial LM loss too (ln V is uniform)
@@ -67,7 +77,7 @@ def measure(model: Transformer, ids: torch.Tensor) -> list[dict]:
         c = r.counts_E.float()
         rows.append({"layer": i, "max_over_mean": (c.max() / c.mean()).item(),
                      "cv": (c.std(unbiased=False) / c.mean()).item(), "cos_to_mean": cos[i]})
-    return rows, out.loss.item()
+    return rows, out.loss.item(), [rms[i] for i in sorted(rms)]
 
 
 def main(argv=None):
@@ -76,6 +86,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=0, help="cut the model to this many layers (0: the preset's)")
     ap.add_argument("--tokens", default="bpe,bytes,random")
     ap.add_argument("--inits", default="zero,scaled", help="model.attn_out_init values to compare")
+    ap.add_argument("--ffn-out-inits", default="scaled", help="model.ffn_out_init values to compare")
+    ap.add_argument("--embed-scales", default="1", help="model.embed_scale values to compare")
     ap.add_argument("--batch", default="2x1024", help="sequences x length")
     ap.add_argument("--backend", default="auto", help="model.moe.kernel_backend")
     ap.add_argument("--json", default=None)
@@ -90,20 +102,23 @@ def main(argv=None):
         model = Transformer(cfg).to(torch.bfloat16).eval()
     E, K = cfg.moe.num_experts, cfg.moe.top_k
     results = []
-    for init in args.inits.split(","):
-        model.cfg.attn_out_init = init
+    for init, ffn_out, embed_scale in itertools.product(args.inits.split(","), args.ffn_out_inits.split(","),
+                                                          [float(v) for v in args.embed_scales.split(",")]):
+        model.cfg.attn_out_init, model.cfg.ffn_out_init, model.cfg.embed_scale = init, ffn_out, embed_scale
         model.init_weights(seed=0)
         for source in args.tokens.split(","):
             t0 = time.perf_counter()
-            rows, loss = measure(model, token_ids(source, cfg.vocab_size, B, S + 1).to(device))
+            rows, loss, rms = measure(model, token_ids(source, cfg.vocab_size, B, S + 1).to(device))
             worst = max(r["max_over_mean"] for r in rows)
             collapsed = sum(r["max_over_mean"] >= 0.9 * E / K for r in rows)
-            results.append({"attn_out_init": init, "tokens": source, "worst_max_over_mean": worst,
-                            "collapsed_layers": collapsed, "initial_loss": loss, "layers": rows})
-            print(f"attn_out_init={init:6s} tokens={source:6s} worst max/mean {worst:5.2f}  collapsed "
-                  f"{collapsed:2d}/{len(rows)}  cos first/mid/last {rows[0]['cos_to_mean']:.2f} "
-                  f"{rows[len(rows) // 2]['cos_to_mean']:.2f} {rows[-1]['cos_to_mean']:.2f}  loss {loss:.2f}  "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            results.append({"attn_out_init": init, "ffn_out_init": ffn_out, "embed_scale": embed_scale,
+                            "tokens": source, "worst_max_over_mean": worst, "collapsed_layers": collapsed,
+                            "initial_loss": loss, "residual_rms": rms, "layers": rows})
+            print(f"attn_out_init={init:6s} ffn_out_init={ffn_out:8s} embed_scale={embed_scale:<5g} "
+                  f"tokens={source:6s} worst max/mean {worst:5.2f}  collapsed {collapsed:2d}/{len(rows)}  cos "
+                  f"first/mid/last {rows[0]['cos_to_mean']:.2f} {rows[len(rows) // 2]['cos_to_mean']:.2f} "
+                  f"{rows[-1]['cos_to_mean']:.2f}  residual RMS after block 0/last {rms[0]:.3f} {rms[-1]:.3f}  "
+                  f"loss {loss:.2f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
     path = result_path("routing_at_init", args.json)
     write_json(path, {"model": args.model, "num_layers": cfg.num_layers, "batch": [B, S], "E/K": E / K,
                       "results": results})
