@@ -47,7 +47,8 @@
 #              speed: ROUTING_LAYERS=40 ROUTING_WARMUP=50 ROUTING_BACKEND=cute), kernels of $ROUTING_BACKEND
 #              (default triton), one run per arm of $ROUTING_ARMS (default "topk-prefix
 #              topk-none": routing group - routing.input_centring, then optional +key=value overrides of
-#              model.moe.routing, e.g. topk-prefix+bias_update_rate=0.05), each layer's load curve and the router
+#              model.moe.routing, e.g. topk-prefix+bias_update_rate=0.05, or of any dotted key, e.g.
+#              topk-prefix+model.ffn_out_init=unscaled, tagged -ffn_out_initunscaled), each layer's load curve and the router
 #              diagnostics (python -m bench.routing_health; bench/results/<date>-<gpu>-routing_health-<tag>.json,
 #              tag <L>L-<group>-<centring>[-<key><value>...][-w<warmup>][-<backend>], the last two where not the
 #              defaults; diagnostics every $ROUTING_DIAG_EVERY steps, default 20; $ROUTING_ARGS adds options, e.g.
@@ -189,7 +190,10 @@ run_stage() {
           warmup=${ROUTING_WARMUP:-20}; backend=${ROUTING_BACKEND:-triton}
           if [ "$arm" != "$base" ]; then  # +key=value[+key=value]: more model.moe.routing overrides
             IFS=+ read -ra kv <<< "${arm#*+}"
-            for o in "${kv[@]}"; do extra+=("model.moe.routing.$o"); tag+="-${o//=/}"; done
+            for o in "${kv[@]}"; do  # a dotted key is a whole override (model.ffn_out_init=unscaled), tagged by its leaf
+              k=${o%%=*}; [[ $k == *.* ]] && extra+=("$o") || extra+=("model.moe.routing.$o")
+              o=${o#"${k%.*}."}; tag+="-${o//=/}"
+            done
           fi
           [ "$warmup" = 20 ] || tag+="-w$warmup"
           [ "$backend" = triton ] || tag+="-$backend"
