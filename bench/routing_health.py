@@ -86,6 +86,7 @@ from bench.common import compose_config, result_path, write_json
 from sonic.routing.losses import picks_per_sequence
 from sonic.routing.scores import EPS, prefix_centre
 from sonic.train import trainer
+from sonic.train.checkpoint import clean_name
 from sonic.train.config import Config
 from sonic.train.metrics import expert_load
 
@@ -287,7 +288,7 @@ def param_kind(name: str) -> tuple[str, int | None]:
     """A parameter's kind, its name with the layer index starred (`layers.*.attn.q_proj.weight`), and its layer
     (None outside the layers); the prefixes activation checkpointing and torch.compile add are dropped, as the
     checkpoint's names drop them."""
-    parts = [p for p in name.split(".") if p not in ("_orig_mod", "_checkpoint_wrapped_module")]
+    parts = clean_name(name).split(".")
     if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit():
         return ".".join(["layers", "*", *parts[2:]]), int(parts[1])
     return ".".join(parts), None

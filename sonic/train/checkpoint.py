@@ -214,7 +214,7 @@ def plain(obj: Any, where: str = "state") -> Any:
     raise TypeError(f"{where} is a {type(obj).__name__}: a checkpoint holds only tensors and plain values")
 
 
-def _clean(name: str) -> str:
+def clean_name(name: str) -> str:
     """Parameter/buffer name without activation-checkpoint or compile wrapper prefixes."""
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
@@ -224,7 +224,7 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for prefix, module in model.named_modules():
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and name not in module._non_persistent_buffers_set:
-                out[_clean(f"{prefix}.{name}" if prefix else name)] = buf
+                out[clean_name(f"{prefix}.{name}" if prefix else name)] = buf
     return out
 
 
@@ -237,7 +237,7 @@ def state_dicts(model, optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     fp32 = optimizer.fp32_weights() if isinstance(optimizer, TritonAdamW) else {}
     if not fp32:
         return msd, osd
-    named = {_clean(name): p for name, p in model.named_parameters()}
+    named = {clean_name(name): p for name, p in model.named_parameters()}
     assert set(named) <= set(msd), sorted(set(named) - set(msd))[:3]
     msd = {**msd, **{name: fp32[p] for name, p in named.items() if p in fp32}}
     osd = {**osd, "state": {k: {key: v for key, v in st.items() if key != "master"} for k, st in osd["state"].items()}}
