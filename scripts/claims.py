@@ -199,12 +199,20 @@ class Count:
 
 @dataclass(frozen=True)
 class Largest:
+    """The largest value of a list field, or its median (median=True)."""
+
     header: str
     path: str
     digits: int = 2
+    median: bool = False
+    missing: str | None = None  # what an absent list reads as (None: it is an error)
 
     def cell(self, rec: Record, at: Where) -> str:
-        return f"{max(rec.need(self.path)):.{self.digits}f}"
+        if self.missing is not None and rec.get(self.path) is None:
+            return self.missing
+        values = sorted(rec.need(self.path))
+        value = values[len(values) // 2] if self.median else values[-1]
+        return f"{value:.{self.digits}f}"
 
 
 @dataclass(frozen=True)
@@ -679,6 +687,30 @@ TABLES = (
           columns=(*ROUTING_MEAN_LOSS_COLUMNS[:5],
                    Field("worst max/mean, 16 batches pooled", "final_batches.pooled_worst", digits=2),
                    Field("layers over 2×, pooled", "final_batches.layers_over_2x_pooled", digits=0),
+                   ROUTING_MEAN_LOSS_COLUMNS[5])),
+    Table("routing_stream", first="run", caption="Issue #30's runs with a larger residual stream under the first "
+          "blocks (one H100, `data=local_bpe`, `optim.warmup_steps=20`, 100 steps, triton, input centred, logit norm, "
+          "`bench.routing_health --grad-norms`): the preset as it was (`5fd5cdc`), then OLMo 2's unscaled FFN down "
+          "projections (`model.ffn_out_init=unscaled`), then those and the embedding ×8 into the first block "
+          "(`model.embed_scale=8`, the preset now), top-K and token rounding (`3594ba1`, one machine, three calls of "
+          "`bash bench/gpu.sh routing`, `ROUTING_ARGS=--grad-norms`). The last row is issue #25's warm-up-50 run of "
+          "the preset now on cute kernels (`ROUTING_LAYERS=40 ROUTING_WARMUP=50 ROUTING_BACKEND=cute`, no gradient "
+          "norms). The gradient norms are the pre-clip global norm at every step.",
+          rows=tuple(Row(f"{layers} layers, {label}",
+                         f"bench/results/2026-12-06-h100-routing_health-{layers}L-{tag}.json")
+                     for layers in (16, 40)
+                     for label, tag in (("the preset before", "topk-prefix"),
+                                        ("unscaled FFN outputs", "topk-prefix-ffn_out_initunscaled"),
+                                        ("unscaled FFN outputs, embedding ×8 (the preset now)",
+                                         "topk-prefix-ffn_out_initunscaled-embed_scale8"),
+                                        ("the preset now, token rounding",
+                                         "token_rounding-prefix-ffn_out_initunscaled-embed_scale8")))
+          + (Row("40 layers, the preset now, peak at step 50, cute",
+                 "bench/results/2026-12-06-h100-routing_health-40L-topk-prefix-ffn_out_initunscaled-embed_scale8"
+                 "-w50-cute.json"),),
+          columns=(*ROUTING_MEAN_LOSS_COLUMNS[:5],
+                   Largest("largest gradient norm", "grad_norms.total", digits=0, missing="–"),
+                   Largest("median gradient norm", "grad_norms.total", median=True, missing="–"),
                    ROUTING_MEAN_LOSS_COLUMNS[5])),
     Table("centring_grad", first="shape (T × D × E), gradient", caption="The router's prefix-centred logits alone "
           "(`python -m bench.centring`, one H200, one call: `f1f6e93`'s kernels, then `00fca7f`'s): the fused "

@@ -78,3 +78,15 @@ def test_presets_module_matches_hydra_composition():
         assert load_preset(name) == compose_config(f"model={name}").model
     with pytest.raises(ValueError, match="unknown model preset"):
         load_preset("nope")
+
+
+@pytest.mark.parametrize("name, ffn_out_init, embed_scale", [
+    ("sonic_7b", "unscaled", 8.0),  # both: issue #30's runs (docs/routing.md, "The fix on the GPU")
+    ("tr_0p5b", "unscaled", 1.0), ("tr_1p4b", "unscaled", 1.0), ("tr_1p8b", "unscaled", 1.0),  # x8: the head copies
+    ("olmoe_1b_7b", "scaled", 1.0), ("qwen3_30b_a3b", "scaled", 1.0), ("tiny", "scaled", 1.0),
+])
+def test_from_scratch_presets_grow_the_bottom_of_the_residual_stream(name, ffn_out_init, embed_scale):
+    """sonic_7b's routing stays healthy at peak LR only with a residual stream large enough under its first
+    blocks; dropping either setting from its preset brings back the layer-0 gradient spikes and the collapse."""
+    model = compose_config(f"model={name}").model
+    assert (model.ffn_out_init, model.embed_scale) == (ffn_out_init, embed_scale)
