@@ -35,6 +35,7 @@ import argparse
 import json
 import re
 import runpy
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -210,8 +211,8 @@ class Largest:
     def cell(self, rec: Record, at: Where) -> str:
         if self.missing is not None and rec.get(self.path) is None:
             return self.missing
-        values = sorted(rec.need(self.path))
-        value = values[len(values) // 2] if self.median else values[-1]
+        values = rec.need(self.path)
+        value = statistics.median(values) if self.median else max(values)
         return f"{value:.{self.digits}f}"
 
 
