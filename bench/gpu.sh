@@ -53,6 +53,10 @@
 #              tag <L>L-<group>-<centring>[-<key><value>...][-w<warmup>][-<backend>], the last two where not the
 #              defaults; diagnostics every $ROUTING_DIAG_EVERY steps, default 20; $ROUTING_ARGS adds options, e.g.
 #              --grad-norms for every step's pre-clip gradient norm by parameter kind and layer)
+#   peer       issue #25's like-for-like step against torchtitan 0.3.0 (python -m bench.peer_titan --compile, one
+#              process per side of $PEER_SIDES, default "titan sonic"; $PEER_ARGS adds options, e.g. --layers 8);
+#              rows appended to bench/results/<date>-<gpu>-peer_titan.jsonl. Carry .tt holding the wheels that
+#              bench/peer_titan.py names (they travel zipped and are unpacked here)
 #
 # What the GPU image lacks travels in ignored folders named in the call's `carry`:
 #   .whl   wheels: hydra-core, omegaconf, antlr4-python3-runtime (needed), liger-kernel and
@@ -204,7 +208,13 @@ run_stage() {
             "${extra[@]}" 2>&1 | grep -v Warning | tee "$OUT/routing_health-$tag.log" | tail -30
         done
       done ;;
-    *) echo "unknown stage $1 (smoke | tests | levers | profile | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | attention | centring | gather_sum | fuzz | ep | routing)" >&2
+    peer)
+      for w in .tt/*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" .tt/; done
+      for which in ${PEER_SIDES:-titan sonic}; do
+        timeout "${PEER_S:-300}" python3 -m bench.peer_titan --which "$which" --compile ${PEER_ARGS:-} 2>&1 \
+          | grep -v Warning | tee "$OUT/peer_titan-$which.log" | tail -8
+      done ;;
+    *) echo "unknown stage $1 (smoke | tests | levers | profile | e2e | kernels | sparse | tr | cute | first_step | kill_resume | block | attention | centring | gather_sum | fuzz | ep | routing | peer)" >&2
        return 2 ;;
   esac
 }
