@@ -18,7 +18,7 @@ spmd_types==0.2.3, einops, tyro, docstring-parser and typeguard (pip download --
 .tt, an ignored folder). `titan_qwen3()` stands in for the two names torch 2.11 lacks.
 
 Appends one JSON row per run to --jsonl (default bench/results/<date>-<gpu>-peer_titan.jsonl): which, compile,
-layers, batch, data, gpu, params, step_ms (median over --steps after --warmup) and step_ms_best, tokens_per_s,
+layers, batch, data, backend, attention, gpu, params, step_ms (median over --steps after --warmup) and step_ms_best, tokens_per_s,
 peak_gib, loss, like_for_like, commit and command. Run each side in its own process (one model per GPU).
 """
 from __future__ import annotations
@@ -100,6 +100,16 @@ def sonic_model(layers: int, backend: str, device: torch.device):
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         moe.resolve_backends(device)  # now, not inside the first compiled forward
     return model, list(model.layers), lambda ids: model(ids).logits_BSV
+
+
+def attention_kernel(which: str, device: torch.device) -> str:
+    """What each side's attention runs: torchtitan's flex; Sonic's auto core, which takes FlashAttention-4 for
+    plain causal attention where it can run, else sdpa (sonic/models/attention.py AutoCore)."""
+    if which == "titan":
+        return "flex"
+    from sonic.kernels.fa4 import unavailable_reason  # noqa: PLC0415
+
+    return "fa4" if unavailable_reason(device, DIMS["head_dim"]) is None else "sdpa"
 
 
 def batches(data: str, B: int, S: int, device: torch.device):
@@ -198,6 +208,7 @@ def run(args, B: int, S: int, device: torch.device) -> dict:
     ms = sorted(times)[len(times) // 2]
     return {"which": args.which, "compile": args.compile, "layers": args.layers, "batch": f"{B}x{S}",
             "data": args.data, "backend": args.backend if args.which == "sonic" else "grouped_mm",
+            "attention": attention_kernel(args.which, device),
             "gpu": torch.cuda.get_device_name() if cuda else "cpu", "params": params, "step_ms": round(ms, 1),
             "step_ms_best": round(min(times), 1), "tokens_per_s": round(B * S / ms * 1e3, 1),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,

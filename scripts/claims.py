@@ -375,6 +375,7 @@ CENTRING_GRAD = {"exact": "bench/results/2026-11-25-h200-centring-exactgrad.json
                  "constant": "bench/results/2026-11-25-h200-centring-constscale.json"}
 PEER_TITAN_H100 = "bench/results/2026-11-25-h100-peer_titan.jsonl"
 PEER_TITAN_H200 = "bench/results/2026-11-28-h200-peer_titan.jsonl"
+PEER_TITAN_H100_NOW = "bench/results/2026-12-06-h100-peer_titan.jsonl"
 PROFILE_40L = "bench/results/2026-11-25-h200-trainer_profile.json"
 PROFILE_40L_NOW = "bench/results/2026-11-25-h200-trainer_profile-c0ef921.json"
 E2E_COLUMNS = (
@@ -545,13 +546,18 @@ TABLES = (
           caption="The training-step peer, like for like (`bench.peer_titan`): `sonic_7b`'s dims cut to 8 layers, "
           "shared expert off, micro-batch 4 × 4096 of local BPE text, per-block compile, one-rank FSDP-2, torch's "
           "fused AdamW and fp32 cross-entropy on both sides, each side in its own process, both sides of a pair on "
-          "one machine: one H100 (`041cf91`), then one H200 (`e416fb3`, one call); × is Sonic's median tokens/s "
-          "over torchtitan's of the same pair.", rows=(
+          "one machine: one H100 (`041cf91`), then one H200 (`e416fb3`, one call), then one H100 again (`e79298a`, one "
+          "call of `bash bench/gpu.sh peer`, with the CuTe DSL bundle and the flash-attn-4 wheel carried, so "
+          "Sonic's auto attention could take FlashAttention-4, as the same machine's GPU tests ran it; that row "
+          "predates the harness's `attention` field); × is Sonic's median tokens/s over torchtitan's of the same "
+          "pair.", rows=(
               Row("Sonic (cute experts)", PEER_TITAN_H100, {"which": "sonic"}),
               Row("torchtitan 0.3.0 Qwen3-MoE (grouped_mm experts, flex attention)", PEER_TITAN_H100,
                   {"which": "titan"}),
               Row("Sonic (cute experts), H200", PEER_TITAN_H200, {"which": "sonic"}),
-              Row("torchtitan 0.3.0 Qwen3-MoE, H200", PEER_TITAN_H200, {"which": "titan"}))),
+              Row("torchtitan 0.3.0 Qwen3-MoE, H200", PEER_TITAN_H200, {"which": "titan"}),
+              Row("Sonic (cute experts), H100, `e79298a`", PEER_TITAN_H100_NOW, {"which": "sonic"}),
+              Row("torchtitan 0.3.0 Qwen3-MoE, H100, `e79298a`", PEER_TITAN_H100_NOW, {"which": "titan"}))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),

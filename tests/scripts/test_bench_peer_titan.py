@@ -19,6 +19,7 @@ def test_sonic_side_appends_a_like_for_like_row(tmp_path):
     row = rows[0]
     assert row["which"] == "sonic" and row["like_for_like"] is True and row["compile"] is False
     assert row["data"] == "embedded" and row["batch"] == "2x32" and row["tokens_per_s"] > 0
+    assert row["attention"] == "sdpa"  # auto's choice off a GPU
     assert row["loss"] == rows[1]["loss"] and 0 < row["loss"] < 30  # the same seed and batches: the same loss
 
 
