@@ -83,6 +83,8 @@
 #          Or fill it here, on the CPU and no device time (the DSL compiles for sm_90a without a GPU):
 #            python -m bench.cute_cache --out .cute_cache [--configs 7B,30B] [--from <an older cache folder>] --jobs 2
 #          (--from recompiles every kernel an older cache names, e.g. the tests' shapes after a kernel change)
+#          Where the call's tree would pass its size limit, carry the returned tarball instead, as
+#          .gpu/cute_cache.tar.gz (a third of the size): it is unpacked into .cute_cache here
 set -uo pipefail
 export PYTHONUNBUFFERED=1 SONIC_CUTE_CACHE_DIR=/root/.cache/sonic/cute
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast here
@@ -99,6 +101,9 @@ SITE="/tmp/site"
 export PYTHONPATH=".:$SITE:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee -a "$OUT/gpu.txt"
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/steps.log"; }
+if [ -f .gpu/cute_cache.tar.gz ]; then
+  mkdir -p .cute_cache && tar -xzf .gpu/cute_cache.tar.gz -C .cute_cache
+fi
 if [ -d .cute_cache ]; then  # carried in: a file of other sources or another SM count is never looked up
   mkdir -p "$SONIC_CUTE_CACHE_DIR" && cp -n .cute_cache/*.o "$SONIC_CUTE_CACHE_DIR"/ 2>/dev/null
   log "cute compile cache: $(find .cute_cache -name '*.o' | wc -l) object files carried in"
