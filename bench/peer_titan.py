@@ -18,8 +18,9 @@ spmd_types==0.2.3, einops, tyro, docstring-parser and typeguard (pip download --
 .tt, an ignored folder). `titan_qwen3()` stands in for the two names torch 2.11 lacks.
 
 Appends one JSON row per run to --jsonl (default bench/results/<date>-<gpu>-peer_titan.jsonl): which, compile,
-layers, batch, data, backend, attention, gpu, params, step_ms (median over --steps after --warmup) and step_ms_best, tokens_per_s,
-peak_gib, loss, like_for_like, commit and command. Run each side in its own process (one model per GPU).
+layers, batch, data, backend, attention, gpu, params, step_ms (median over --steps after --warmup) and
+step_ms_best, tokens_per_s, peak_gib, loss, like_for_like, commit and command; with --kernels N also one profiled
+step's N slowest kernels. Run each side in its own process (one model per GPU).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from bench.common import RESULTS, compose_config, cuda_or_exit, git_commit, gpu_name
+from bench.common import RESULTS, compose_config, cuda_or_exit, git_commit, gpu_name, kernel_times, profiled
 
 DIMS = {"dim": 1536, "heads": 24, "head_dim": 64, "experts": 128, "top_k": 8, "expert_dim": 256, "vocab": 100352}
 
@@ -144,6 +145,8 @@ def main(argv=None):
     ap.add_argument("--titan-path", default=".tt", help="where torchtitan 0.3.0 and its light deps are unpacked")
     ap.add_argument("--device", default="cuda", help="cpu only smoke-tests the harness (gloo; timings meaningless)")
     ap.add_argument("--jsonl", default=None)
+    ap.add_argument("--kernels", type=int, default=0, help="then profile one step: its N slowest kernels (CPU: "
+                    "operators) go to the row and the screen, to see where one side's step goes")
     args = ap.parse_args(argv)
     B, S = (int(v) for v in args.batch.split("x"))
     cuda_or_exit(args.device, "bench.peer_titan")
@@ -206,6 +209,9 @@ def run(args, B: int, S: int, device: torch.device) -> dict:
             loss = step()
             times.append(1e3 * (time.perf_counter() - t0))
     ms = sorted(times)[len(times) // 2]
+    kernels = kernel_times(profiled(step, cuda)[1], cuda)[:args.kernels] if args.kernels else []
+    for name, k_ms, calls in kernels:
+        print(f"  {k_ms:8.2f} ms {100 * k_ms / ms:5.1f}% x{calls:<4} {name[:110]}")
     return {"which": args.which, "compile": args.compile, "layers": args.layers, "batch": f"{B}x{S}",
             "data": args.data, "backend": args.backend if args.which == "sonic" else "grouped_mm",
             "attention": attention_kernel(args.which, device),
@@ -213,7 +219,8 @@ def run(args, B: int, S: int, device: torch.device) -> dict:
             "step_ms_best": round(min(times), 1), "tokens_per_s": round(B * S / ms * 1e3, 1),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
             "warmup_s": round(warmup_s, 1), "loss": loss.item(), "like_for_like": True, "commit": git_commit(),
-            "command": "python -m bench.peer_titan " + " ".join(sys.argv[1:]), "torch": torch.__version__}
+            "command": "python -m bench.peer_titan " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+            **({"kernels": [{"name": k, "ms": k_ms, "count": n} for k, k_ms, n in kernels]} if kernels else {})}
 
 
 if __name__ == "__main__":

@@ -21,6 +21,17 @@ def test_sonic_side_appends_a_like_for_like_row(tmp_path):
     assert row["data"] == "embedded" and row["batch"] == "2x32" and row["tokens_per_s"] > 0
     assert row["attention"] == "sdpa"  # auto's choice off a GPU
     assert row["loss"] == rows[1]["loss"] and 0 < row["loss"] < 30  # the same seed and batches: the same loss
+    assert "kernels" not in row
+
+
+def test_kernels_lists_a_profiled_steps_slowest_ops(tmp_path):
+    out = tmp_path / "peer.jsonl"
+    peer_titan.main(["--which", "sonic", "--device", "cpu", "--layers", "1", "--batch", "2x32", "--data", "embedded",
+                     "--backend", "reference", "--steps", "1", "--warmup", "1", "--jsonl", str(out), "--kernels", "5"])
+    kernels = json.loads(out.read_text())["kernels"]
+    assert len(kernels) == 5 and all(k["ms"] > 0 and k["count"] >= 1 for k in kernels)
+    assert [k["ms"] for k in kernels] == sorted((k["ms"] for k in kernels), reverse=True)
+    assert any("mm" in k["name"] for k in kernels)  # the step's matmuls are among its slowest ops
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is not None, reason="torchtitan is installed here")
