@@ -103,14 +103,13 @@ def sonic_model(layers: int, backend: str, device: torch.device):
     return model, list(model.layers), lambda ids: model(ids).logits_BSV
 
 
-def attention_kernel(which: str, device: torch.device) -> str:
-    """What each side's attention runs: torchtitan's flex; Sonic's auto core, which takes FlashAttention-4 for
-    plain causal attention where it can run, else sdpa (sonic/models/attention.py AutoCore)."""
+def attention_kernel(which: str, model, S: int, device: torch.device) -> str:
+    """What each side's attention runs: torchtitan's flex; Sonic's the model's own core, or for `auto` the core
+    it picks for these plain causal batches (AutoCore.mask returns it beside its mask)."""
     if which == "titan":
         return "flex"
-    from sonic.kernels.fa4 import unavailable_reason  # noqa: PLC0415
-
-    return "fa4" if unavailable_reason(device, DIMS["head_dim"]) is None else "sdpa"
+    core = model.attn_core
+    return core.mask(None, S, device)[0].name if core.name == "auto" else core.name
 
 
 def batches(data: str, B: int, S: int, device: torch.device):
@@ -214,7 +213,7 @@ def run(args, B: int, S: int, device: torch.device) -> dict:
         print(f"  {k_ms:8.2f} ms {100 * k_ms / ms:5.1f}% x{calls:<4} {name[:110]}")
     return {"which": args.which, "compile": args.compile, "layers": args.layers, "batch": f"{B}x{S}",
             "data": args.data, "backend": args.backend if args.which == "sonic" else "grouped_mm",
-            "attention": attention_kernel(args.which, device),
+            "attention": attention_kernel(args.which, model, S, device),
             "gpu": torch.cuda.get_device_name() if cuda else "cpu", "params": params, "step_ms": round(ms, 1),
             "step_ms_best": round(min(times), 1), "tokens_per_s": round(B * S / ms * 1e3, 1),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
