@@ -1,6 +1,7 @@
 """The training-step peer: Sonic's model against torchtitan 0.3.0's Qwen3-MoE, in one harness, like for like.
 
     python -m bench.peer_titan --which sonic|titan [--compile] [--layers 8] [--backend cute] [--data local_bpe]
+                               [--set KEY=VALUE ...] [--kernels N]
 
 Both models at sonic_7b's dims (d 1536, 24 heads of 64, E 128, K 8, n 256, vocab 100352, tied embeddings), Sonic's
 shared expert off (torchtitan's Qwen3 has none), wrapped alike: FSDP-2 on a one-rank mesh with bf16 parameters and
@@ -18,7 +19,7 @@ spmd_types==0.2.3, einops, tyro, docstring-parser and typeguard (pip download --
 .tt, an ignored folder). `titan_qwen3()` stands in for the two names torch 2.11 lacks.
 
 Appends one JSON row per run to --jsonl (default bench/results/<date>-<gpu>-peer_titan.jsonl): which, compile,
-layers, batch, data, backend, attention, gpu, params, step_ms (median over --steps after --warmup) and
+layers, batch, data, backend, sets (Sonic's config overrides), attention, gpu, params, step_ms (median over --steps after --warmup) and
 step_ms_best, tokens_per_s, peak_gib, loss, like_for_like, commit and command; with --kernels N also one profiled
 step's N slowest kernels. Run each side in its own process (one model per GPU).
 """
@@ -86,13 +87,18 @@ def titan_model(layers: int, B: int, S: int, device: torch.device, path: str):
     return model, list(model.layers.values()), lambda ids: model(ids, positions, masks)
 
 
-def sonic_model(layers: int, backend: str, device: torch.device):
-    """(model, its blocks, forward(ids) -> logits) of sonic_7b cut to `layers`, shared expert off."""
+def sonic_model(layers: int, backend: str, device: torch.device, sets: list[str] = ()):
+    """(model, its blocks, forward(ids) -> logits) of sonic_7b cut to `layers`, shared expert off, with the dotted
+    ModelConfig overrides `sets` (key=value, e.g. attention_backend=sdpa)."""
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
     from sonic.models.moe import MoE  # noqa: PLC0415
     from sonic.models.presets import load_preset  # noqa: PLC0415
     from sonic.models.transformer import Transformer  # noqa: PLC0415
 
-    cfg = load_preset("sonic_7b", num_layers=layers, moe={"shared_expert_dim": 0, "kernel_backend": backend})
+    overrides = OmegaConf.merge({"num_layers": layers, "moe": {"shared_expert_dim": 0, "kernel_backend": backend}},
+                                OmegaConf.from_dotlist(list(sets)))
+    cfg = load_preset("sonic_7b", **OmegaConf.to_container(overrides))
     assert (cfg.dim, cfg.vocab_size, cfg.moe.num_experts, cfg.moe.top_k) == (
         DIMS["dim"], DIMS["vocab"], DIMS["experts"], DIMS["top_k"]), "sonic_7b's dims moved: update DIMS"
     with device:
@@ -138,6 +144,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batch", default="4x4096", help="micro-batch x sequence length")
     ap.add_argument("--backend", default="cute", help="Sonic's model.moe.kernel_backend")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a dotted override of Sonic's "
+                    "model config (sonic side only; repeatable), e.g. attention_backend=sdpa: what one lever buys")
     ap.add_argument("--data", default="local_bpe", help="a Sonic data preset, or random (a diagnostic)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -148,6 +156,8 @@ def main(argv=None):
                     "operators) go to the row and the screen, to see where one side's step goes")
     args = ap.parse_args(argv)
     B, S = (int(v) for v in args.batch.split("x"))
+    if args.set and args.which != "sonic":
+        ap.error("--set overrides Sonic's model config: use it with --which sonic")
     cuda_or_exit(args.device, "bench.peer_titan")
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as store:
@@ -167,7 +177,7 @@ def main(argv=None):
 def run(args, B: int, S: int, device: torch.device) -> dict:
     torch.manual_seed(0)
     model, blocks, forward = (titan_model(args.layers, B, S, device, args.titan_path) if args.which == "titan"
-                              else sonic_model(args.layers, args.backend, device))
+                              else sonic_model(args.layers, args.backend, device, args.set))
     params = sum(p.numel() for p in model.parameters())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in blocks:
@@ -212,7 +222,7 @@ def run(args, B: int, S: int, device: torch.device) -> dict:
     for name, k_ms, calls in kernels:
         print(f"  {k_ms:8.2f} ms {100 * k_ms / ms:5.1f}% x{calls:<4} {name[:110]}")
     return {"which": args.which, "compile": args.compile, "layers": args.layers, "batch": f"{B}x{S}",
-            "data": args.data, "backend": args.backend if args.which == "sonic" else "grouped_mm",
+            "data": args.data, "backend": args.backend if args.which == "sonic" else "grouped_mm", "sets": args.set,
             "attention": attention_kernel(args.which, model, S, device),
             "gpu": torch.cuda.get_device_name() if cuda else "cpu", "params": params, "step_ms": round(ms, 1),
             "step_ms_best": round(min(times), 1), "tokens_per_s": round(B * S / ms * 1e3, 1),

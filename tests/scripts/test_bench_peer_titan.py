@@ -39,3 +39,16 @@ def test_titan_side_without_torchtitan_names_the_fix(tmp_path):
     with pytest.raises(SystemExit, match="cannot import torchtitan from .*unpack torchtitan==0.3.0"):
         peer_titan.main(["--which", "titan", "--device", "cpu", "--titan-path", str(tmp_path), "--layers", "1",
                          "--jsonl", str(tmp_path / "peer.jsonl")])
+
+
+def test_set_overrides_sonics_model_and_is_recorded(tmp_path):
+    out = tmp_path / "peer.jsonl"
+    base = ["--which", "sonic", "--device", "cpu", "--layers", "1", "--batch", "2x32", "--data", "embedded",
+            "--backend", "reference", "--steps", "1", "--warmup", "0", "--jsonl", str(out)]
+    peer_titan.main(base)
+    peer_titan.main([*base, "--set", "moe.expert_dim=128", "--set", "moe.routing.logit_norm=none"])
+    plain, cut = (json.loads(line) for line in out.read_text().splitlines())
+    assert plain["sets"] == [] and cut["sets"] == ["moe.expert_dim=128", "moe.routing.logit_norm=none"]
+    assert plain["params"] - cut["params"] == 3 * 128 * 128 * 1536  # one layer's experts, n 256 -> 128
+    with pytest.raises(SystemExit):  # Sonic's overrides on torchtitan's side: refused before anything is built
+        peer_titan.main(["--which", "titan", "--device", "cpu", "--set", "attention_backend=sdpa"])
