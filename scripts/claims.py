@@ -166,23 +166,42 @@ ABOVE = {"_": "the row above"}  # Ratio.den_where: the record of the table's pre
 
 @dataclass(frozen=True)
 class Ratio:
-    """num / den: both fields of the row's record, or den of another record of the same file (den_where),
-    or of the previous row's record (den_where=ABOVE)."""
+    """num / den: both fields of the row's record, or den of another record of the same file (den_where, and
+    the row's own values of the fields den_same: e.g. the torchtitan row of the same commit), or of the previous
+    row's record (den_where=ABOVE)."""
 
     header: str
     num: str
     den: str
     den_where: dict | None = None
     digits: int = 2
+    den_same: tuple[str, ...] = ()
 
     def cell(self, rec: Record, at: Where) -> str:
         if self.den_where is ABOVE:
             other = at.above or rec  # the first row is its own base
         elif self.den_where is not None:
-            other = select(at.root, at.row.file, at.row.records, self.den_where)
+            where = {**self.den_where, **{key: rec.get(key) for key in self.den_same}}
+            other = select(at.root, at.row.file, at.row.records, where)
         else:
             other = rec
         return f"{rec.need(self.num) / other.need(self.den):.{self.digits}f}×"
+
+
+@dataclass(frozen=True)
+class KernelMs:
+    """The milliseconds of a profiled step's kernels (a record's `kernels`: name, ms) whose name matches `pattern`;
+    `rest=True`: the step's time (`step`) less every kernel that matches it."""
+
+    header: str
+    pattern: str
+    rest: bool = False
+    step: str = "step_ms"
+    digits: int = 1
+
+    def cell(self, rec: Record, at: Where) -> str:
+        ms = sum(k["ms"] for k in rec.need("kernels") if re.search(self.pattern, k["name"]))
+        return f"{rec.need(self.step) - ms if self.rest else ms:.{self.digits}f}"
 
 
 @dataclass(frozen=True)
@@ -376,6 +395,12 @@ CENTRING_GRAD = {"exact": "bench/results/2026-11-25-h200-centring-exactgrad.json
 PEER_TITAN_H100 = "bench/results/2026-11-25-h100-peer_titan.jsonl"
 PEER_TITAN_H200 = "bench/results/2026-11-28-h200-peer_titan.jsonl"
 PEER_TITAN_H100_NOW = "bench/results/2026-12-06-h100-peer_titan.jsonl"
+# bench.peer_titan --kernels: kernel names by what they do, on either side
+PEER_OPTIMIZER = "multi_tensor_apply_kernel"
+PEER_SOFTMAX = "cunn_SoftMax"
+PEER_COPIES = "bfloat16_copy_kernel|Memcpy DtoD|chunk_cat_cuda_kernel|direct_copy_kernel|FillFunctor"
+PEER_ATTENTION = "flash_attn|flex_attention"
+PEER_EXPERTS = "GroupedGemm|GatherSum|GroupProblemShape|index_put|indexing_backward|scatter_add"
 PROFILE_40L = "bench/results/2026-11-25-h200-trainer_profile.json"
 PROFILE_40L_NOW = "bench/results/2026-11-25-h200-trainer_profile-c0ef921.json"
 E2E_COLUMNS = (
@@ -541,7 +566,7 @@ TABLES = (
     Table("peer_titan", first="model", columns=(
         Field("step ms, median", "step_ms"), Field("step ms, best", "step_ms_best"),
         Field("k tokens/s", "tokens_per_s", 1e-3), Ratio("× torchtitan, tokens/s", "tokens_per_s", "tokens_per_s",
-                                                        den_where={"which": "titan"}),
+                                                        den_where={"which": "titan"}, den_same=("commit",)),
         Field("peak GiB", "peak_gib"), Text("like for like", "like_for_like")),
           caption="The training-step peer, like for like (`bench.peer_titan`): `sonic_7b`'s dims cut to 8 layers, "
           "shared expert off, micro-batch 4 × 4096 of local BPE text, per-block compile, one-rank FSDP-2, torch's "
@@ -549,15 +574,41 @@ TABLES = (
           "one machine: one H100 (`041cf91`), then one H200 (`e416fb3`, one call), then one H100 again (`e79298a`, one "
           "call of `bash bench/gpu.sh peer`, with the CuTe DSL bundle and the flash-attn-4 wheel carried, so "
           "Sonic's auto attention could take FlashAttention-4, as the same machine's GPU tests ran it; that row "
-          "predates the harness's `attention` field); × is Sonic's median tokens/s over torchtitan's of the same "
-          "pair.", rows=(
+          "predates the harness's `attention` field), then a fresh H100 (`bbe49f1`, one call: the pair with one "
+          "profiled step each, then Sonic twice more with one lever undone by `--set`); × is Sonic's median "
+          "tokens/s over torchtitan's of the same commit.", rows=(
               Row("Sonic (cute experts)", PEER_TITAN_H100, {"which": "sonic"}),
               Row("torchtitan 0.3.0 Qwen3-MoE (grouped_mm experts, flex attention)", PEER_TITAN_H100,
                   {"which": "titan"}),
               Row("Sonic (cute experts), H200", PEER_TITAN_H200, {"which": "sonic"}),
               Row("torchtitan 0.3.0 Qwen3-MoE, H200", PEER_TITAN_H200, {"which": "titan"}),
-              Row("Sonic (cute experts), H100, `e79298a`", PEER_TITAN_H100_NOW, {"which": "sonic"}),
-              Row("torchtitan 0.3.0 Qwen3-MoE, H100, `e79298a`", PEER_TITAN_H100_NOW, {"which": "titan"}))),
+              Row("Sonic (cute experts), H100, `e79298a`", PEER_TITAN_H100_NOW, {"which": "sonic", "commit": "e79298a"}),
+              Row("torchtitan 0.3.0 Qwen3-MoE, H100, `e79298a`", PEER_TITAN_H100_NOW,
+                  {"which": "titan", "commit": "e79298a"}),
+              Row("Sonic (cute experts, FlashAttention-4), H100, `bbe49f1`", PEER_TITAN_H100_NOW,
+                  {"which": "sonic", "commit": "bbe49f1", "sets": []}),
+              Row("torchtitan 0.3.0 Qwen3-MoE, H100, `bbe49f1`", PEER_TITAN_H100_NOW,
+                  {"which": "titan", "commit": "bbe49f1"}),
+              Row("Sonic, router reads x (no prefix centring, no logit norm)", PEER_TITAN_H100_NOW,
+                  {"which": "sonic", "commit": "bbe49f1", "sets": ["moe.routing.logit_norm=none",
+                                                                    "moe.routing.input_centring=none"]}),
+              Row("Sonic, `attention_backend=sdpa` (cuDNN)", PEER_TITAN_H100_NOW,
+                  {"which": "sonic", "commit": "bbe49f1", "sets": ["attention_backend=sdpa"]}))),
+    Table("peer_titan_split", first="side", columns=(
+        Field("step ms", "step_ms"),
+        KernelMs("AdamW and the clip (multi-tensor kernels)", PEER_OPTIMIZER),
+        KernelMs("the loss's fp32 softmax", PEER_SOFTMAX),
+        KernelMs("casts and copies (FSDP's gathers and reductions, the logits' fp32 copy)", PEER_COPIES),
+        KernelMs("attention", PEER_ATTENTION),
+        KernelMs("experts (GEMMs, gathers, dispatch scatters)", PEER_EXPERTS),
+        KernelMs("the rest: dense GEMMs (LM head included), norms, routing, small kernels", "|".join(
+            (PEER_OPTIMIZER, PEER_SOFTMAX, PEER_COPIES, PEER_ATTENTION, PEER_EXPERTS)), rest=True)),
+          caption="Where each side's step goes: the `bbe49f1` pair above, one profiled step each (`--kernels 45`: "
+          "the step's 45 slowest kernels, grouped by name; what they leave out is in the last column, which is the "
+          "median step less the profiled step's groups before it). The first three groups are the harness's, alike on both sides "
+          "(the same parameters, optimizer and loss).", rows=(
+              Row("Sonic", PEER_TITAN_H100_NOW, {"which": "sonic", "commit": "bbe49f1", "sets": []}),
+              Row("torchtitan 0.3.0", PEER_TITAN_H100_NOW, {"which": "titan", "commit": "bbe49f1"}))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
                                                                   "max_load_over_mean"),
                                   Count("layers ≤ 2", "max_load_over_mean", 2)),

@@ -161,3 +161,26 @@ def test_a_field_with_missing_reads_an_absent_value_as_it_and_without_it_raises(
     assert Field("loss", "summary.loss", digits=2, missing="–").cell(rec, None) == "6.50"
     with pytest.raises(ClaimError, match="tokens_per_s_per_gpu"):
         Field("k tokens/s", "summary.tokens_per_s_per_gpu", 1e-3).cell(rec, None)
+
+
+def test_ratio_to_the_same_commits_base_and_kernel_groups(tmp_path):
+    """den_same picks the base row of the row's own commit (a file holding several pairs); KernelMs sums a
+    profiled step's kernels by name, and rest=True is the step less them."""
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    kernels = [{"name": "adam multi_tensor_apply_kernel", "ms": 5.0}, {"name": "flash_attn fwd", "ms": 2.5},
+               {"name": "nvjet gemm", "ms": 1.0}]
+    rows = [{"which": w, "commit": c, "tokens_per_s": t, "step_ms": 20.0, "kernels": kernels}
+            for w, c, t in (("titan", "a", 100.0), ("sonic", "a", 120.0), ("titan", "b", 80.0), ("sonic", "b", 120.0))]
+    (tmp_path / "bench" / "results" / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    ratio = Ratio("×", "tokens_per_s", "tokens_per_s", {"which": "titan"}, den_same=("commit",))
+    cells = []
+    for commit in ("a", "b"):
+        row = Row(commit, "bench/results/p.jsonl", {"which": "sonic", "commit": commit})
+        rec = claims.select(tmp_path, row.file, row.records, row.where)
+        cells.append(ratio.cell(rec, claims.Where(tmp_path, row, None)))
+    assert cells == ["1.20×", "1.50×"]
+    without = Ratio("×", "tokens_per_s", "tokens_per_s", {"which": "titan"})  # two titan rows: ambiguous
+    with pytest.raises(ClaimError, match="2 records"):
+        without.cell(rec, claims.Where(tmp_path, row, None))
+    assert claims.KernelMs("opt", "multi_tensor").cell(rec, None) == "5.0"
+    assert claims.KernelMs("rest", "multi_tensor|flash_attn", rest=True).cell(rec, None) == "12.5"
