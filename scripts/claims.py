@@ -357,6 +357,7 @@ E2E_1X = "2026-11-24-1xh200-e2e-40L.json"
 E2E_1X_CENTRING, E2E_1X_TR = "2026-11-24-1xh200-e2e-40L-centring.json", "2026-11-24-1xh200-e2e-40L-tr.json"
 E2E_1X_TR_PADDED, E2E_1X_TR_OP = "2026-11-24-1xh200-e2e-40L-tr-padded.json", "2026-11-24-1xh200-e2e-40L-tr-op.json"
 E2E_1X_FA4, E2E_1X_FA4_2 = "2026-11-29-1xh200-e2e-40L-fa4.json", "2026-11-29-1xh200-e2e-40L-fa4-2.json"
+E2E_1X_H100 = "2026-12-06-1xh100-e2e-40L.json"
 E2E_1X_TR_OP_TRITON = "2026-11-24-1xh200-e2e-40L-tr-op-triton.json"
 E2E_1X_TR_GRAPH, E2E_1X_TR_GRAPH_TRITON = ("2026-11-24-1xh200-e2e-40L-tr-graph.json",
                                           "2026-11-24-1xh200-e2e-40L-tr-graph-triton.json")
@@ -550,7 +551,10 @@ TABLES = (
               e2e("the default again (the next job on the same machine, after the smoke; first)", E2E_1X_FA4_2,
                   "cute_40L"),
               e2e("`model.attention_backend=sdpa` (second)", E2E_1X_FA4_2, "cute_sdpa_40L"),
-              e2e("`model.attention_backend=fa4`, named (third)", E2E_1X_FA4_2, "cute_fa4_40L"))),
+              e2e("`model.attention_backend=fa4`, named (third)", E2E_1X_FA4_2, "cute_fa4_40L"),
+              e2e("the preset since #30 (unscaled FFN output init, embedding ×8), one H100, cute (one job, first)",
+                  E2E_1X_H100, "cute_40L"),
+              e2e("the same job, triton (second)", E2E_1X_H100, "triton_40L"))),
     Table("attention", first="core", caption="Causal attention alone at `sonic_7b`'s shape (micro-batch 4 x 4096 "
           "tokens, 24 heads of 64, bf16), each core as the model builds it (`python -m bench.attention`, one H200 at "
           "`f0f7fa9`, then one H100 at `cf802c2`; do_bench medians of five interleaved rounds; TFLOPS count causal "
@@ -619,7 +623,9 @@ TABLES = (
               e2e("one GPU, triton, router input centred", E2E_1X, "triton_40L"),
               e2e("one GPU, cute, centring as one op", E2E_1X_CENTRING, "cute_40L"),
               e2e("one GPU, cute, router reads x", E2E_1X_CENTRING, "cute_centring_none_40L"),
-              e2e("one GPU, cute, token rounding", E2E_1X_TR, "cute_token_rounding_40L"))),
+              e2e("one GPU, cute, token rounding", E2E_1X_TR, "cute_token_rounding_40L"),
+              e2e("one H100, cute, the preset since #30", E2E_1X_H100, "cute_40L"),
+              e2e("one H100, triton, the preset since #30", E2E_1X_H100, "triton_40L"))),
     Table("routing_gpu", first="run", caption="`sonic_7b` on offline BPE text, micro-batch 4 × 4096, one H200 "
           "(the last row: one H100): "
           "the learning rate peaks at step 20 (`optim.warmup_steps=20`) and the run goes to step 100 "
