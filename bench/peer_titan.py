@@ -19,9 +19,9 @@ spmd_types==0.2.3, einops, tyro, docstring-parser and typeguard (pip download --
 .tt, an ignored folder). `titan_qwen3()` stands in for the two names torch 2.11 lacks.
 
 Appends one JSON row per run to --jsonl (default bench/results/<date>-<gpu>-peer_titan.jsonl): which, compile,
-layers, batch, data, backend, sets (Sonic's config overrides), attention, gpu, params, step_ms (median over --steps after --warmup) and
-step_ms_best, tokens_per_s, peak_gib, loss, like_for_like, commit and command; with --kernels N also one profiled
-step's N slowest kernels. Run each side in its own process (one model per GPU).
+layers, batch, data, backend, sets (Sonic's config overrides), attention, gpu, params, step_ms (median over --steps
+after --warmup) and step_ms_best, tokens_per_s, peak_gib, loss, like_for_like, commit and command; with --kernels N
+also one profiled step's N slowest kernels. Run each side in its own process (one model per GPU).
 """
 from __future__ import annotations
 

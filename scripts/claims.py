@@ -586,7 +586,8 @@ TABLES = (
                   {"which": "titan"}),
               Row("Sonic (cute experts), H200", PEER_TITAN_H200, {"which": "sonic"}),
               Row("torchtitan 0.3.0 Qwen3-MoE, H200", PEER_TITAN_H200, {"which": "titan"}),
-              Row("Sonic (cute experts), H100, `e79298a`", PEER_TITAN_H100_NOW, {"which": "sonic", "commit": "e79298a"}),
+              Row("Sonic (cute experts), H100, `e79298a`", PEER_TITAN_H100_NOW,
+                  {"which": "sonic", "commit": "e79298a"}),
               Row("torchtitan 0.3.0 Qwen3-MoE, H100, `e79298a`", PEER_TITAN_H100_NOW,
                   {"which": "titan", "commit": "e79298a"}),
               Row("Sonic (cute experts, FlashAttention-4), H100, `bbe49f1`", PEER_TITAN_H100_NOW,
@@ -609,8 +610,8 @@ TABLES = (
             (PEER_OPTIMIZER, PEER_SOFTMAX, PEER_COPIES, PEER_ATTENTION, PEER_EXPERTS)), rest=True)),
           caption="Where each side's step goes: the `bbe49f1` pair above, one profiled step each (`--kernels 45`: "
           "the step's 45 slowest kernels, grouped by name; what they leave out is in the last column, which is the "
-          "median step less the profiled step's groups before it). The first three groups are the harness's, alike on both sides "
-          "(the same parameters, optimizer and loss).", rows=(
+          "median step less the profiled step's groups before it). The first three groups are the harness's, alike "
+          "on both sides (the same parameters, optimizer and loss).", rows=(
               Row("Sonic", PEER_TITAN_H100_NOW, {"which": "sonic", "commit": "bbe49f1", "sets": []}),
               Row("torchtitan 0.3.0", PEER_TITAN_H100_NOW, {"which": "titan", "commit": "bbe49f1"}))),
     Table("routing_40l", columns=(Text("steps", "steps"), Largest("worst max/mean load, last step",
