@@ -20,8 +20,9 @@ spmd_types==0.2.3, einops, tyro, docstring-parser and typeguard (pip download --
 
 Appends one JSON row per run to --jsonl (default bench/results/<date>-<gpu>-peer_titan.jsonl): which, compile,
 layers, batch, data, backend, sets (Sonic's config overrides), attention, gpu, params, step_ms (median over --steps
-after --warmup) and step_ms_best, tokens_per_s, peak_gib, loss, like_for_like, commit and command; with --kernels N
-also one profiled step's N slowest kernels. Run each side in its own process (one model per GPU).
+after --warmup), step_ms_best and step_ms_all, tokens_per_s, peak_gib, loss, like_for_like, commit and command; with
+--host N the host's issue time against the wall time (bench.common.host_bound), with --kernels N one profiled
+step's N slowest kernels. Run each side in its own process (one model per GPU).
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from bench.common import RESULTS, compose_config, cuda_or_exit, git_commit, gpu_name, kernel_times, profiled
+from bench.common import (RESULTS, compose_config, cuda_or_exit, git_commit, gpu_name, host_bound, kernel_times,
+                          profiled)
 
 DIMS = {"dim": 1536, "heads": 24, "head_dim": 64, "experts": 128, "top_k": 8, "expert_dim": 256, "vocab": 100352}
 
@@ -152,12 +154,17 @@ def main(argv=None):
     ap.add_argument("--titan-path", default=".tt", help="where torchtitan 0.3.0 and its light deps are unpacked")
     ap.add_argument("--device", default="cuda", help="cpu only smoke-tests the harness (gloo; timings meaningless)")
     ap.add_argument("--jsonl", default=None)
+    ap.add_argument("--host", type=int, default=0, help="then N more steps (GPU only) timed on the host too: the "
+                    "median time to issue a step against its wall time (near: the GPU waits for the host), and the "
+                    "cudaMalloc/cudaFree calls per step")
     ap.add_argument("--kernels", type=int, default=0, help="then profile one step: its N slowest kernels (CPU: "
                     "operators) go to the row and the screen, to see where one side's step goes")
     args = ap.parse_args(argv)
     B, S = (int(v) for v in args.batch.split("x"))
     if args.set and args.which != "sonic":
         ap.error("--set overrides Sonic's model config: use it with --which sonic")
+    if args.host and args.device == "cpu":
+        ap.error("--host times the host against the GPU: it needs --device cuda")
     cuda_or_exit(args.device, "bench.peer_titan")
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as store:
@@ -218,6 +225,7 @@ def run(args, B: int, S: int, device: torch.device) -> dict:
             loss = step()
             times.append(1e3 * (time.perf_counter() - t0))
     ms = sorted(times)[len(times) // 2]
+    host = host_bound(step, args.host) if args.host else None
     kernels = kernel_times(profiled(step, cuda)[1], cuda)[:args.kernels] if args.kernels else []
     for name, k_ms, calls in kernels:
         print(f"  {k_ms:8.2f} ms {100 * k_ms / ms:5.1f}% x{calls:<4} {name[:110]}")
@@ -225,10 +233,11 @@ def run(args, B: int, S: int, device: torch.device) -> dict:
             "data": args.data, "backend": args.backend if args.which == "sonic" else "grouped_mm", "sets": args.set,
             "attention": attention_kernel(args.which, model, S, device),
             "gpu": torch.cuda.get_device_name() if cuda else "cpu", "params": params, "step_ms": round(ms, 1),
-            "step_ms_best": round(min(times), 1), "tokens_per_s": round(B * S / ms * 1e3, 1),
+            "step_ms_best": round(min(times), 1), "step_ms_all": [round(t, 1) for t in times], "tokens_per_s": round(B * S / ms * 1e3, 1),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
             "warmup_s": round(warmup_s, 1), "loss": loss.item(), "like_for_like": True, "commit": git_commit(),
             "command": "python -m bench.peer_titan " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+            **({"host": host} if host else {}),
             **({"kernels": [{"name": k, "ms": k_ms, "count": n} for k, k_ms, n in kernels]} if kernels else {})}
 
 

@@ -21,7 +21,8 @@ def test_sonic_side_appends_a_like_for_like_row(tmp_path):
     assert row["data"] == "embedded" and row["batch"] == "2x32" and row["tokens_per_s"] > 0
     assert row["attention"] == "sdpa"  # auto's choice off a GPU
     assert row["loss"] == rows[1]["loss"] and 0 < row["loss"] < 30  # the same seed and batches: the same loss
-    assert "kernels" not in row
+    assert "kernels" not in row and "host" not in row
+    assert len(row["step_ms_all"]) == 1 and row["step_ms_best"] == row["step_ms_all"][0]
 
 
 def test_kernels_lists_a_profiled_steps_slowest_ops(tmp_path):
@@ -52,3 +53,5 @@ def test_set_overrides_sonics_model_and_is_recorded(tmp_path):
     assert plain["params"] - cut["params"] == 3 * 128 * 128 * 1536  # one layer's experts, n 256 -> 128
     with pytest.raises(SystemExit):  # Sonic's overrides on torchtitan's side: refused before anything is built
         peer_titan.main(["--which", "titan", "--device", "cpu", "--set", "attention_backend=sdpa"])
+    with pytest.raises(SystemExit):  # the host against the GPU: no GPU, no measurement
+        peer_titan.main([*base, "--host", "3"])
