@@ -599,6 +599,31 @@ TABLES = (
                                                                     "moe.routing.input_centring=none"]}),
               Row("Sonic, `attention_backend=sdpa` (cuDNN)", PEER_TITAN_H100_NOW,
                   {"which": "sonic", "commit": "bbe49f1", "sets": ["attention_backend=sdpa"]}))),
+    Table("peer_titan_depth", first="side, layers", columns=(
+        Field("step ms, median", "step_ms"), Field("step ms, best", "step_ms_best"),
+        Field("k tokens/s", "tokens_per_s", 1e-3),
+        Ratio("× torchtitan, tokens/s", "tokens_per_s", "tokens_per_s", den_where={"which": "titan"},
+              den_same=("commit", "layers")),
+        Field("peak GiB", "peak_gib")),
+          caption="The same pair cut to 4, 8 and 12 layers (12: the most that fits torchtitan's side on one H100), "
+          "one call at `70277cd` on a fresh H100, torchtitan first at each depth; × is against torchtitan at the same "
+          "depth and commit.", rows=tuple(
+              Row(f"{side}, {layers} layers", PEER_TITAN_H100_NOW, {"which": which, "commit": "70277cd",
+                                                                    "layers": layers})
+              for layers in (4, 8, 12) for side, which in (("torchtitan 0.3.0", "titan"), ("Sonic", "sonic")))),
+    Table("peer_titan_host", first="run", columns=(
+        Field("step ms, median", "step_ms"), Field("step ms, best", "step_ms_best"),
+        Ratio("× torchtitan, tokens/s", "tokens_per_s", "tokens_per_s", den_where={"which": "titan"},
+              den_same=("commit",)),
+        Field("host issue ms", "host.issue_ms"), Field("wall ms", "host.wall_ms"),
+        Field("device mallocs per step", "host.device_mallocs_and_frees", digits=0)),
+          caption="The 8-layer pair with `--host 5 --steps 20` (`f1ea8bf`, one call on a fresh H100: Sonic, "
+          "torchtitan, Sonic): after the timed steps, five more, each timed on the host from its first launch to "
+          "the return of `optimizer.zero_grad` (issue) and to the GPU's end (wall); the medians.", rows=(
+              Row("Sonic, first", PEER_TITAN_H100_NOW, {"which": "sonic", "commit": "f1ea8bf", "step_ms": 144.4}),
+              Row("torchtitan 0.3.0", PEER_TITAN_H100_NOW, {"which": "titan", "commit": "f1ea8bf"}),
+              Row("Sonic, again (after torchtitan)", PEER_TITAN_H100_NOW,
+                  {"which": "sonic", "commit": "f1ea8bf", "step_ms": 146.3}))),
     Table("peer_titan_split", first="side", columns=(
         Field("step ms", "step_ms"),
         KernelMs("AdamW and the clip (multi-tensor kernels)", PEER_OPTIMIZER),
