@@ -618,8 +618,9 @@ TABLES = (
         Field("host issue ms", "host.issue_ms"), Field("wall ms", "host.wall_ms"),
         Field("device mallocs per step", "host.device_mallocs_and_frees", digits=0)),
           caption="The 8-layer pair with `--host 5 --steps 20` (`f1ea8bf`, one call on a fresh H100: Sonic, "
-          "torchtitan, Sonic): after the timed steps, five more, each timed on the host from its first launch to "
-          "the return of `optimizer.zero_grad` (issue) and to the GPU's end (wall); the medians.", rows=(
+          "torchtitan, Sonic): after the timed steps, five more, each timed on the host from the step's start (its "
+          "batch fetched and copied first) to the return of `optimizer.zero_grad` (issue) and to the GPU's end "
+          "(wall); the medians.", rows=(
               Row("Sonic, first", PEER_TITAN_H100_NOW, {"which": "sonic", "commit": "f1ea8bf", "step_ms": 144.4}),
               Row("torchtitan 0.3.0", PEER_TITAN_H100_NOW, {"which": "titan", "commit": "f1ea8bf"}),
               Row("Sonic, again (after torchtitan)", PEER_TITAN_H100_NOW,
