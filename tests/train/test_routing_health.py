@@ -76,6 +76,24 @@ def test_deep_model_routing_stays_balanced_at_a_high_constant_learning_rate(tmp_
     assert late[len(late) // 2] < 2.5, worst
 
 
+# what sonic_7b routed and initialised with at 5680b33, before issue #30: the router reads x, no logit norm, GPT-2's
+# scaled FFN output init, the embedding as is
+BEFORE_30 = ["model.moe.routing.input_centring=none", "model.moe.routing.logit_norm=none", "model.ffn_out_init=scaled",
+             "model.embed_scale=1.0"]
+
+
+@pytest.mark.slow
+def test_the_routing_before_issue_30_collapses_in_the_same_run(tmp_path, local_text):
+    """The test above's negative control: the same run with the preset's routing and init as they were before issue #30
+    collapses (the worst layer above 4 at most steps from step 6, 5.2 at the median), so that test can fail."""
+    corpus, tokenizer = local_text
+    history = train(compose_config(*PEAK_LR, *BEFORE_30, f"data.paths=[{corpus}]", f"data.tokenizer={tokenizer}",
+                                   f"train.run_dir={tmp_path}"))
+    worst = {h["step"]: max(h[f"expert_load_max/{layer}"] for layer in range(LAYERS)) for h in history}
+    late = sorted(w for step, w in worst.items() if step >= PEAK_FROM)
+    assert late[len(late) // 2] > 4.0, worst
+
+
 FINE_LAYERS = 16
 # the same, deeper and finer-grained (E/K 16, as sonic_7b's)
 FINE = [*PEAK_LR, f"model.num_layers={FINE_LAYERS}", "model.moe.num_experts=64", "model.moe.top_k=4",
