@@ -5,7 +5,11 @@
 # Stages (each writes its log, and its JSON where it has one, under $OUT):
 #   smoke      what every change to sonic/ is proven with: every GPU test, then the trainer on sonic_7b cut to
 #              16 layers for 30 steps per kernel backend (python -m bench.smoke; $SONIC_COMMIT names the commit
-#              when the machine has no .git); writes bench/results/<date>-<gpu>-smoke.json. On a fresh machine
+#              when the machine has no .git); writes bench/results/<date>-<gpu>-smoke.json. It (and `tests`) first
+#              compiles every cute kernel the carried cache names for this tree's sources, on all cores
+#              (bench.cute_cache --from .cute_cache; what is there already only loads). .gpu/b, .whl and the
+#              whole cache's tarball together pass the carry limit: the bundle unpacked by an earlier call stays on
+#              the warm machine, so that call carries .gpu/b and the smoke's call .whl and the tarball. On a fresh machine
 #              the GPU tests compile every triton kernel cold and ran past a 330 s --tests-timeout even with the
 #              cute cache carried in: run `TESTS="tests/kernels" bash bench/gpu.sh tests` first on the same warm
 #              machine (the next call within 30 s), and carry .gpu/b in every call that needs cute (a released
@@ -109,6 +113,14 @@ if [ -d .cute_cache ]; then  # carried in: a file of other sources or another SM
   log "cute compile cache: $(find .cute_cache -name '*.o' | wc -l) object files carried in"
 fi
 
+fill_cute_cache() {  # every kernel the carried cache names, compiled for this tree's sources on all cores before the
+  # GPU tests need them: after a change to the kernel sources the carried objects are stale, and the tests compiling
+  # them one at a time ran past their timeout; objects already there are only loaded (seconds)
+  [ -d .cute_cache ] && python3 -c "import cutlass" 2>/dev/null || return 0
+  timeout "${CUTE_FILL_S:-300}" python3 -m bench.cute_cache --out "$SONIC_CUTE_CACHE_DIR" --from .cute_cache \
+    --jobs "$(nproc)" 2>&1 | tail -1 | while read -r line; do log "cute compile cache: $line"; done
+}
+
 pack_cute_cache() {  # the object files of this tree's cute sources, to carry into the next fresh machine
   local hash files
   [ -d "$SONIC_CUTE_CACHE_DIR" ] || return 0
@@ -122,8 +134,10 @@ pack_cute_cache() {  # the object files of this tree's cute sources, to carry in
 run_stage() {
   case "$1" in
     smoke)
+      fill_cute_cache
       timeout "${SMOKE_S:-560}" python3 -m bench.smoke ${SMOKE_ARGS:-} 2>&1 | tee "$OUT/smoke.log" | tail -30 ;;
     tests)
+      fill_cute_cache
       timeout "${TESTS_S:-400}" python3 -m pytest ${TESTS:-tests} -m gpu -q -rfE -p no:cacheprovider 2>&1 | tail -60 \
         | tee "$OUT/gpu_tests.log" ;;
     levers)
